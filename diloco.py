@@ -1,0 +1,46 @@
+"""DiLoCo: the outer step as pure functions (for notebooks) and the coordinator CLI (for runs).
+
+Notebook:
+    import diloco
+    new_params, momentum = diloco.diloco_round(params, [delta_w0, delta_w1], weights=None, momentum=None,
+                                               lr=0.7, mu=0.9)
+    metrics = diloco.load_metrics("runs/diloco-shakespeare")
+
+Cluster (the launcher runs this for you next to the workers; see README):
+    python diloco.py --config evolution.json           # coordinator: reduce + commit every round
+    python -m train.worker --config evolution.json --worker 0
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from train.outer import average_deltas, diloco_round, outer_step, outer_step_tensor  # noqa: F401  (public API)
+from train.store import RunPaths, read_jsonl
+
+
+def load_metrics(run_dir: str | Path) -> list[dict]:
+    """The metrics.jsonl records of a run folder (BASE_DIR/<project>), one per committed round."""
+    return read_jsonl(RunPaths(run_dir).metrics)
+
+
+def main() -> int:
+    from train.cli import add_config_args, load_from_args
+    from train.coordinator import Coordinator, config_summary
+    from train.model import quiet_transformers
+
+    ap = argparse.ArgumentParser(description="DiLoCo coordinator: waits for the workers' deltas on BASE_DIR, "
+                                             "applies the outer step and commits each round.")
+    add_config_args(ap)
+    args = ap.parse_args()
+    cfg, _ = load_from_args(args)
+    quiet_transformers()
+    import logging
+    logging.getLogger("coordinator").info("%s", config_summary(cfg))
+    Coordinator(cfg).run()
+    return 0
+
+
+if __name__ == "__main__":
+    from train.cli import run_main
+    run_main(main, "coordinator")

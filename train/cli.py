@@ -1,0 +1,74 @@
+"""Command-line plumbing shared by the top-level scripts: config + overrides, friendly errors."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable
+
+from train.config import ConfigError, RunConfig, load_config
+
+# shortcut flag -> config key
+SHORTCUTS = {"workers": "outer.num_workers", "rounds": "outer.rounds", "local_steps": "outer.local_steps",
+             "project": "project_name", "base_dir": "base_dir", "outer_lr": "outer.lr",
+             "outer_momentum": "outer.momentum", "generations": "edt.max_generations",
+             "population": "edt.population_size", "device": "inner.device", "model": "model.name",
+             "dataset": "data.dataset"}
+
+
+def add_config_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", default="evolution.json", help="the run's evolution.json (default: %(default)s)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set outer.lr=1.0 --set inner.precision=bf16 (repeatable)")
+    g = ap.add_argument_group("shortcuts for common overrides")
+    g.add_argument("--workers", type=int, help="outer.num_workers")
+    g.add_argument("--rounds", type=int, help="outer.rounds")
+    g.add_argument("--local-steps", type=int, help="outer.local_steps (H)")
+    g.add_argument("--outer-lr", type=float, help="outer.lr")
+    g.add_argument("--outer-momentum", type=float, help="outer.momentum")
+    g.add_argument("--project", help="project_name")
+    g.add_argument("--base-dir", help="base_dir")
+    g.add_argument("--model", help="model.name")
+    g.add_argument("--dataset", help="data.dataset")
+    g.add_argument("--device", help="inner.device")
+    g.add_argument("--fake-data", action="store_true", help="data.fake_data = true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def overrides_from(args: argparse.Namespace) -> list[str]:
+    import json
+    out = []
+    for flag, key in SHORTCUTS.items():
+        v = getattr(args, flag, None)
+        if v is not None:
+            out.append(f"{key}={json.dumps(v)}")
+    if getattr(args, "fake_data", False):
+        out.append("data.fake_data=true")
+    if getattr(args, "no_progress", False):
+        out.append("logging.progress=false")
+    return out + list(args.set)
+
+
+def load_from_args(args: argparse.Namespace) -> tuple[RunConfig, list[str]]:
+    ovs = overrides_from(args)
+    return load_config(args.config, ovs), ovs
+
+
+def run_main(fn: Callable[[], int | None], name: str) -> None:
+    """Run a script's body: config/protocol errors print one clear line (exit 2), Ctrl-C exits 130."""
+    from train.logs import setup_logging
+    from train.store import ProtocolError
+    from train.procs import WorkerDied
+
+    log = setup_logging(name)
+    try:
+        sys.exit(fn() or 0)
+    except (ConfigError, ProtocolError, FileNotFoundError) as e:
+        log.error("%s", e)
+        sys.exit(2)
+    except WorkerDied as e:
+        log.error("%s", e)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        log.warning("interrupted: every child process was stopped; run the same command to resume")
+        sys.exit(130)

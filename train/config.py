@@ -1,0 +1,534 @@
+"""Typed, documented, validated configuration: `evolution.json` (the run) and `machines.json` (the hosts).
+
+Every field has a default and a one-line doc (`field_doc`); `python -m train.config --markdown` prints the
+reference table that the README embeds. Loading rejects unknown keys (suggesting the closest one), wrong types and
+out-of-range values with `ConfigError: <file>: <field> = <value>: <what is allowed>`.
+
+The research prototype's flat upper-case keys (PROJECT_NAME, OUTER_LR, ...) are accepted as aliases of the
+structured ones (see LEGACY_KEYS). Nothing here touches the disk at import time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the file, the field and the fix."""
+
+
+def doc(default: Any, text: str, **kw: Any) -> Any:
+    """A dataclass field with a default and a doc string (lists/dicts are copied per instance)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata={"doc": text, **kw})
+    return field(default=default, metadata={"doc": text, **kw})
+
+
+def _bad(name: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{name} = {json.dumps(value)}: {allowed}")
+
+
+def _check_range(obj: Any, prefix: str, name: str, lo: float | None = None, hi: float | None = None,
+                 lo_open: bool = False) -> None:
+    v = getattr(obj, name)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise _bad(f"{prefix}{name}", v, f"must be {'>' if lo_open else '>='} {lo}")
+    if hi is not None and v > hi:
+        raise _bad(f"{prefix}{name}", v, f"must be <= {hi}")
+
+
+def _check_choice(obj: Any, prefix: str, name: str, choices: tuple[str, ...]) -> None:
+    v = getattr(obj, name)
+    if v not in choices:
+        raise _bad(f"{prefix}{name}", v, f"must be one of {', '.join(choices)}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = doc("configs/tiny-llama.json",
+                    "What to train: a Hugging Face hub id (e.g. HuggingFaceTB/SmolLM2-135M), a local HF model "
+                    "directory, or a model config JSON (random init from `seed`). Relative paths: from the config "
+                    "file's folder, then the repo.")
+    tokenizer: str = doc("data/tokenizer",
+                         "Tokenizer: hub id or local directory; empty = the model's own.")
+    revision: str | None = doc(None, "Hub revision (branch, tag or commit) for `name` and `tokenizer`.")
+    trust_remote_code: bool = doc(False, "Allow custom modelling code from the hub (off: it runs arbitrary code).")
+
+    def validate(self, p: str) -> None:
+        if not self.name:
+            raise _bad(p + "name", self.name, "must name a hub id, a model directory or a config JSON")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    dataset: str = doc("data/corpus",
+                       "Training text: a local folder / file / glob of .txt, .jsonl, .json or .parquet files, a "
+                       "`datasets` hub name, or `fake` for random tokens.")
+    dataset_config: str | None = doc(None, "`datasets` configuration name (hub datasets only).")
+    split: str = doc("train", "`datasets` split to read.")
+    text_field: str = doc("text", "Column holding the text in json/jsonl/parquet/hub data.")
+    seq_length: int = doc(128, "Tokens per training window (the context length used in training).")
+    eval_fraction: float = doc(0.02, "Fraction of the tokens (the tail) held out for evaluation.")
+    max_tokens: int = doc(0, "Stop tokenizing after this many tokens; 0 = all (hub datasets stream until it).")
+    fake_data: bool = doc(False, "Random tokens instead of a dataset (smoke tests; like OpenDiLoCo's --fake-data).")
+    fake_tokens: int = doc(1_000_000, "How many random tokens `fake_data` generates.")
+
+    def validate(self, p: str) -> None:
+        _check_range(self, p, "seq_length", 2)
+        _check_range(self, p, "eval_fraction", 0.0, 0.5, lo_open=True)
+        _check_range(self, p, "max_tokens", 0)
+        _check_range(self, p, "fake_tokens", 1000)
+        if not self.dataset and not self.fake_data:
+            raise _bad(p + "dataset", self.dataset, "must name a dataset, or set data.fake_data = true")
+
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+PRECISION_ALIASES = {"fp32": "fp32", "32": "fp32", "float32": "fp32", "bf16": "bf16-mixed",
+                     "bf16-mixed": "bf16-mixed", "bfloat16": "bf16-mixed", "fp16": "fp16-mixed",
+                     "fp16-mixed": "fp16-mixed", "16-mixed": "fp16-mixed", "float16": "fp16-mixed"}
+
+
+@dataclass(kw_only=True)
+class InnerConfig:
+    lr: float = doc(4e-4, "Peak AdamW learning rate of the inner loop (OpenDiLoCo default).")
+    beta1: float = doc(0.9, "AdamW beta1.")
+    beta2: float = doc(0.95, "AdamW beta2.")
+    eps: float = doc(1e-8, "AdamW epsilon.")
+    weight_decay: float = doc(0.1, "AdamW decoupled weight decay.")
+    warmup_steps: int = doc(20, "Linear warmup steps of the inner schedule.")
+    total_steps: int = doc(0, "Length of the cosine schedule in inner steps; 0 = rounds x local_steps.")
+    min_lr_ratio: float = doc(0.1, "Cosine floor as a fraction of `lr`.")
+    per_device_batch_size: int = doc(16, "Windows per forward/backward pass.")
+    total_batch_size: int = doc(16, "Windows per optimizer step (per worker); a multiple of per_device_batch_size "
+                                    "(the ratio is the gradient accumulation).")
+    grad_clip: float = doc(1.0, "Clip the global gradient norm to this; 0 = off.")
+    precision: str = doc("fp32", "fp32, bf16-mixed or fp16-mixed (autocast; fp16 uses a grad scaler).")
+    compile: bool = doc(False, "torch.compile the model for the inner loop.")
+    device: str = doc("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
+    threads: int = doc(0, "torch CPU threads per worker process; 0 = let torch decide.")
+
+    def validate(self, p: str) -> None:
+        _check_range(self, p, "lr", 0.0, lo_open=True)
+        for b in ("beta1", "beta2"):
+            _check_range(self, p, b, 0.0, 1.0)
+        _check_range(self, p, "weight_decay", 0.0)
+        _check_range(self, p, "warmup_steps", 0)
+        _check_range(self, p, "total_steps", 0)
+        _check_range(self, p, "min_lr_ratio", 0.0, 1.0)
+        _check_range(self, p, "per_device_batch_size", 1)
+        _check_range(self, p, "total_batch_size", 1)
+        _check_range(self, p, "grad_clip", 0.0)
+        _check_range(self, p, "threads", 0)
+        if self.total_batch_size % self.per_device_batch_size:
+            raise _bad(p + "total_batch_size", self.total_batch_size,
+                       f"must be a multiple of {p}per_device_batch_size ({self.per_device_batch_size})")
+        if str(self.precision) not in PRECISION_ALIASES:
+            raise _bad(p + "precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
+        self.precision = PRECISION_ALIASES[str(self.precision)]
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise _bad(p + "device", self.device, "must be auto, cpu, cuda or cuda:N")
+
+    @property
+    def grad_accum(self) -> int:
+        return self.total_batch_size // self.per_device_batch_size
+
+
+@dataclass(kw_only=True)
+class OuterConfig:
+    num_workers: int = doc(2, "Workers (DiLoCo replicas); the prototype's NUM_MACHINES.")
+    rounds: int = doc(10, "Outer rounds (DiLoCo) to run.")
+    local_steps: int = doc(50, "H: inner optimizer steps per worker between outer steps.")
+    lr: float = doc(0.7, "Outer SGD learning rate (DiLoCo paper: 0.7).")
+    momentum: float = doc(0.9, "Outer SGD momentum (DiLoCo paper: 0.9).")
+    nesterov: bool = doc(True, "Nesterov momentum for the outer step.")
+    min_workers: int = doc(1, "After `round_timeout_s`, commit the round if at least this many deltas arrived.")
+    round_timeout_s: float = doc(1800.0, "Seconds the reducer waits for all deltas before going on without the "
+                                         "missing workers.")
+    poll_interval_s: float = doc(0.2, "How often processes look at BASE_DIR for new files.")
+    delta_dtype: str = doc("float32", "dtype of published pseudo-gradients: float32, bfloat16 or float16.")
+    keep_rounds: int = doc(2, "Committed rounds kept on disk (older global models and deltas are deleted).")
+    token_weighted: bool = doc(True, "Weight each delta by its tokens (equal weights when off).")
+
+    def validate(self, p: str) -> None:
+        _check_range(self, p, "num_workers", 1)
+        _check_range(self, p, "rounds", 1)
+        _check_range(self, p, "local_steps", 1)
+        _check_range(self, p, "lr", 0.0, lo_open=True)
+        _check_range(self, p, "momentum", 0.0, 1.0)
+        _check_range(self, p, "min_workers", 1, self.num_workers)
+        _check_range(self, p, "round_timeout_s", 0.0, lo_open=True)
+        _check_range(self, p, "poll_interval_s", 0.0, lo_open=True)
+        _check_range(self, p, "keep_rounds", 1)
+        _check_choice(self, p, "delta_dtype", ("float32", "bfloat16", "float16"))
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    batch_size: int = doc(16, "Windows per evaluation batch; the prototype's EVAL_BATCH_SIZE.")
+    batches: int = doc(8, "Evaluation batches; the same held-out windows are used every time.")
+    every: int = doc(1, "Evaluate the global model every this many rounds (and always after the last).")
+
+    def validate(self, p: str) -> None:
+        _check_range(self, p, "batch_size", 1)
+        _check_range(self, p, "batches", 1)
+        _check_range(self, p, "every", 1)
+
+
+@dataclass(kw_only=True)
+class EDTConfig:
+    population_size: int = doc(0, "Members per generation; 0 = outer.num_workers.")
+    initial_population: list = doc([], "Models of generation 0 (hub ids, local dirs or config JSONs); filled by "
+                                        "random choice when shorter; empty = model.name.")
+    max_generations: int = doc(10, "Generations to run; the prototype's MAX_GENERATIONS.")
+    mutation_probability: float = doc(0.1, "Chance that each DNA gene is perturbed when a child is made.")
+    mutation_strength: float = doc(0.1, "Standard deviation of a gene perturbation (genes live in [0, 1]).")
+    elitism: int = doc(1, "Best members carried to the next generation (paired with themselves).")
+    tournament_size: int = doc(3, "Contestants per tournament in parent selection.")
+    selection: str = doc("tournament", "tournament or rank.")
+    crossover: str = doc("outer_sgd", "outer_sgd (pairwise outer step), linear or slerp.")
+
+    def validate(self, p: str) -> None:
+        _check_range(self, p, "population_size", 0)
+        _check_range(self, p, "max_generations", 1)
+        _check_range(self, p, "mutation_probability", 0.0, 1.0)
+        _check_range(self, p, "mutation_strength", 0.0)
+        _check_range(self, p, "elitism", 0)
+        _check_range(self, p, "tournament_size", 1)
+        _check_choice(self, p, "selection", ("tournament", "rank"))
+        _check_choice(self, p, "crossover", ("outer_sgd", "linear", "slerp"))
+        for i, m in enumerate(self.initial_population):
+            if not isinstance(m, str) or not m:
+                raise _bad(f"{p}initial_population[{i}]", m, "must be a non-empty string (hub id or path)")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    metrics: str = doc("jsonl", "Metric logger: jsonl (BASE_DIR/<project>/metrics.jsonl), dummy, wandb or "
+                                "tensorboard (the last two only when installed).")
+    progress: bool = doc(True, "Progress bars on the terminal.")
+    plot: bool = doc(True, "Write loss.png into the run folder at the end.")
+
+    def validate(self, p: str) -> None:
+        _check_choice(self, p, "metrics", ("jsonl", "dummy", "wandb", "tensorboard"))
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    project_name: str = doc("diloco-shakespeare", "Run name: everything lives in BASE_DIR/<project_name>/.")
+    base_dir: str = doc("runs", "Shared folder (NFS on a cluster); relative = next to the config file.")
+    seed: int = doc(0, "Seed for model init, data order and evaluation windows.")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    edt: EDTConfig = field(default_factory=EDTConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Where the config came from (not a key in the file): relative paths resolve against it.
+    source: str = field(default="<defaults>", metadata={"internal": True})
+
+    def validate(self) -> None:
+        if not self.project_name or "/" in self.project_name or self.project_name in (".", ".."):
+            raise _bad("project_name", self.project_name, "must be a plain folder name (no '/')")
+        if not self.base_dir:
+            raise _bad("base_dir", self.base_dir, "must be a folder path")
+        for f in dataclasses.fields(self):
+            sub = getattr(self, f.name)
+            if dataclasses.is_dataclass(sub):
+                sub.validate(f.name + ".")
+
+    # -- derived values -------------------------------------------------------------------------------------------
+    @property
+    def config_dir(self) -> Path:
+        return Path(self.source).resolve().parent if self.source != "<defaults>" else REPO_ROOT
+
+    def resolve_path(self, value: str) -> str:
+        """A relative path that exists next to the config (or in the repo) becomes absolute; else unchanged."""
+        if not value or os.path.isabs(value):
+            return value
+        for root in (self.config_dir, REPO_ROOT):
+            cand = root / value
+            if cand.exists() or any(ch in value for ch in "*?["):
+                return str(cand)
+        return value
+
+    @property
+    def run_dir(self) -> Path:
+        base = Path(os.path.expanduser(self.base_dir))
+        if not base.is_absolute():
+            base = self.config_dir / base
+        return base / self.project_name
+
+    @property
+    def total_inner_steps(self) -> int:
+        return self.inner.total_steps or self.outer.rounds * self.outer.local_steps
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+
+# The research prototype's flat keys -> our dotted names.
+LEGACY_KEYS = {
+    "PROJECT_NAME": "project_name", "BASE_DIR": "base_dir", "INITIAL_POPULATION": "edt.initial_population",
+    "MAX_GENERATIONS": "edt.max_generations", "EVAL_BATCH_SIZE": "eval.batch_size",
+    "MUTATION_PROBABILITY": "edt.mutation_probability", "MUTATION_STRENGTH": "edt.mutation_strength",
+    "ELITISM": "edt.elitism", "OUTER_LR": "outer.lr", "OUTER_MOMENTUM": "outer.momentum",
+    "OUTER_NESTEROV": "outer.nesterov", "NUM_MACHINES": "outer.num_workers",
+}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    hints = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out += _all_keys(t, prefix + f.name + ".")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    pool = known + list(LEGACY_KEYS)
+    leaf = {k.rsplit(".", 1)[-1]: k for k in known}
+    close = difflib.get_close_matches(key, pool, n=1, cutoff=0.6)
+    if not close:
+        close = [leaf[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaf), n=1, cutoff=0.75)]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _coerce(name: str, value: Any, typ: Any) -> Any:
+    """Check `value` against the annotation `typ` (int accepted for float; bool never for numbers)."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(typ)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(name, value, "must be true or false")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _bad(name, value, "must be an integer")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _bad(name, value, "must be a number")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise _bad(name, value, "must be a string")
+    if typ is list or origin is list:
+        if isinstance(value, list):
+            return value
+        raise _bad(name, value, "must be a list")
+    if typ is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+        raise _bad(name, value, "must be an object")
+    return value
+
+
+def _flatten(raw: dict, prefix: str = "") -> dict[str, Any]:
+    """{"outer": {"lr": 1}} -> {"outer.lr": 1}; legacy upper-case keys are mapped on the way."""
+    out: dict[str, Any] = {}
+    for k, v in raw.items():
+        if not isinstance(k, str):
+            raise ConfigError(f"key {k!r} must be a string")
+        key = LEGACY_KEYS.get(k, k) if not prefix else prefix + k
+        if isinstance(v, dict) and key in _SECTIONS:
+            out.update(_flatten(v, key + "."))
+        else:
+            if key in out:
+                raise ConfigError(f"{key} is given twice (once under a legacy name such as "
+                                  f"{[a for a, b in LEGACY_KEYS.items() if b == key]})")
+            out[key] = v
+    return out
+
+
+_SECTIONS = {f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.type) or
+             f.name in ("model", "data", "inner", "outer", "eval", "edt", "logging")}
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`outer.lr=1.0` -> ("outer.lr", 1.0). The value is JSON when it parses as JSON, else a string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. outer.lr=1.0")
+    key, _, val = text.partition("=")
+    try:
+        parsed = json.loads(val)
+    except json.JSONDecodeError:
+        parsed = val
+    return LEGACY_KEYS.get(key.strip(), key.strip()), parsed
+
+
+def build_config(raw: dict, overrides: list[str] | None = None, source: str = "<defaults>") -> RunConfig:
+    """Build and validate a RunConfig from a JSON object plus KEY=VALUE overrides."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a JSON object")
+    try:
+        flat = _flatten(raw)
+        for ov in overrides or []:
+            k, v = parse_override(ov)
+            flat[k] = v
+        known = _all_keys(RunConfig)
+        for key in flat:
+            if key not in known:
+                raise ConfigError(f"unknown key {key!r}{_suggest(key, known)} (see README: configuration)")
+        cfg = RunConfig(source=source)
+        hints_cache: dict[type, dict] = {}
+        for key, value in flat.items():
+            obj = cfg
+            parts = key.split(".")
+            for part in parts[:-1]:
+                obj = getattr(obj, part)
+            hints = hints_cache.setdefault(type(obj), _field_types(type(obj)))
+            setattr(obj, parts[-1], _coerce(key, value, hints[parts[-1]]))
+        cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return cfg
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load `evolution.json` (or defaults when `path` is None) and apply overrides."""
+    if path is None:
+        return build_config({}, overrides)
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such config file (copy evolution.json from the repo and edit it)")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
+    return build_config(raw, overrides, source=str(p))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# machines.json
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class Machine:
+    host: str = doc("", "Host name or address to SSH to.")
+    port: int = doc(22, "SSH port.")
+    user: str | None = doc(None, "SSH user; default: your local user / ~/.ssh/config.")
+    identity_file: str | None = doc(None, "Private key file; default: ssh-agent and ~/.ssh/id_*.")
+    python: str = doc("python3", "Interpreter (or venv python) on that host.")
+    workdir: str | None = doc(None, "The project checkout on that host (usually on the shared disk); default: "
+                                    "the folder holding machines.json.")
+    env: dict = doc({}, "Extra environment variables for the processes on that host.")
+    setup: str | None = doc(None, "A shell line run before the worker, e.g. `source /share/venv/bin/activate`.")
+    gpus: int | None = doc(None, "Local processes (GPUs) for a worker on that host; default: 1 process.")
+    name: str | None = doc(None, "Label used in logs and status; default: host[:port].")
+
+    @property
+    def label(self) -> str:
+        return self.name or (self.host if self.port == 22 else f"{self.host}:{self.port}")
+
+
+def load_machines(path: str | os.PathLike) -> list[Machine]:
+    """Load machines.json: a list of host strings (the prototype's format) or of objects with Machine fields."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such file (a JSON list of hosts, e.g. [\"gpu1\", \"gpu2\"])")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
+    if isinstance(raw, dict) and "machines" in raw:
+        raw = raw["machines"]
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{p}: must be a non-empty JSON list of hosts (strings or objects)")
+    hints = _field_types(Machine)
+    known = [f.name for f in dataclasses.fields(Machine)]
+    out = []
+    for i, entry in enumerate(raw):
+        where = f"{p}: entry {i}"
+        if isinstance(entry, str):
+            entry = {"host": entry}
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where} = {json.dumps(entry)}: must be a host string or an object")
+        m = Machine()
+        for k, v in entry.items():
+            if k not in known:
+                close = difflib.get_close_matches(k, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f" (allowed: {', '.join(known)})"
+                raise ConfigError(f"{where}: unknown key {k!r}{hint}")
+            try:
+                setattr(m, k, _coerce(k, v, hints[k]))
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+        if not m.host or any(c.isspace() for c in m.host) or m.host.startswith("-"):
+            raise ConfigError(f"{where}: host = {json.dumps(m.host)}: must be a host name or address "
+                              "(no spaces, not starting with '-')")
+        if not 1 <= m.port <= 65535:
+            raise ConfigError(f"{where}: port = {m.port}: must be 1..65535")
+        if m.gpus is not None and m.gpus < 1:
+            raise ConfigError(f"{where}: gpus = {m.gpus}: must be >= 1")
+        for k, v in m.env.items():
+            if not isinstance(v, str) or not k.replace("_", "a").isalnum() or k[0].isdigit():
+                raise ConfigError(f"{where}: env[{k!r}]: names must be [A-Za-z_][A-Za-z0-9_]* and values strings")
+        out.append(m)
+    labels = [m.label for m in out]
+    dup = {x for x in labels if labels.count(x) > 1}
+    if dup:
+        raise ConfigError(f"{p}: duplicate machine {sorted(dup)[0]!r}: give entries distinct hosts, ports or names")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reference docs
+# ---------------------------------------------------------------------------------------------------------------
+def reference_markdown() -> str:
+    """The configuration reference table (README)."""
+    rows = ["| key | default | legacy name | meaning |", "|---|---|---|---|"]
+    legacy = {v: k for k, v in LEGACY_KEYS.items()}
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _field_types(cls)
+        inst = cls()
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("internal"):
+                continue
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], prefix + f.name + ".")
+                continue
+            key = prefix + f.name
+            rows.append(f"| `{key}` | `{json.dumps(getattr(inst, f.name))}` | {legacy.get(key, '')} | "
+                        f"{f.metadata.get('doc', '')} |")
+
+    walk(RunConfig, "")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import sys
+    if "--markdown" in sys.argv:
+        print(reference_markdown())
+    else:
+        cfg = load_config(sys.argv[1] if len(sys.argv) > 1 else None, sys.argv[2:])
+        print(json.dumps(cfg.to_dict(), indent=2))

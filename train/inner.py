@@ -1,0 +1,139 @@
+"""The inner loop: AdamW with warmup + cosine, gradient accumulation, clipping, mixed precision, optional compile.
+
+The optimizer (and fp16 grad-scaler) state lives across rounds, as in DiLoCo, and is saved as safetensors + JSON
+(never pickled) so a restarted worker resumes it exactly.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from train.config import RunConfig
+from train.tensorio import load_tensors, save_streaming
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to `peak`, then cosine decay to `peak * min_ratio` at `total` (held there after)."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def lm_loss(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of (batch, seq_length + 1) windows."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    logits = model(input_ids=inputs).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def autocast_for(precision: str, device: torch.device):
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device,
+             precision: str = "fp32") -> float:
+    """Mean loss over fixed windows (every window weighs the same)."""
+    was_training = model.training
+    model.eval()
+    total, n = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        batch = windows[i: i + batch_size].to(device)
+        with autocast_for(precision, device):
+            total += lm_loss(model, batch).item() * len(batch)
+        n += len(batch)
+    model.train(was_training)
+    return total / max(1, n)
+
+
+class InnerTrainer:
+    """Owns the model on its device, the AdamW optimizer and the schedule position (`step`)."""
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, device: torch.device):
+        ic = cfg.inner
+        self.cfg, self.device = cfg, device
+        self.model = model.to(device)
+        self.model.train()
+        self.params = dict(self.model.named_parameters())
+        self.opt = torch.optim.AdamW(self.params.values(), lr=ic.lr, betas=(ic.beta1, ic.beta2), eps=ic.eps,
+                                     weight_decay=ic.weight_decay)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=ic.precision == "fp16-mixed")
+        self.forward_model = torch.compile(self.model) if ic.compile else self.model
+        self.step = 0  # inner steps taken so far (drives the schedule)
+
+    def lr(self) -> float:
+        ic = self.cfg.inner
+        return lr_at(self.step, ic.lr, ic.warmup_steps, self.cfg.total_inner_steps, ic.min_lr_ratio)
+
+    def train_steps(self, next_batch: Callable[[int], torch.Tensor], n_steps: int,
+                    on_step: Callable[[int, float], None] | None = None) -> dict:
+        """Run `n_steps` optimizer steps; `on_step(i, loss_tensor)` is called after each."""
+        ic = self.cfg.inner
+        accum = ic.grad_accum
+        losses = torch.zeros(n_steps, device=self.device)  # stays on the device: no sync per step
+        t0 = time.perf_counter()
+        for i in range(n_steps):
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr()
+            step_loss = torch.zeros((), device=self.device)
+            for _ in range(accum):
+                batch = next_batch(ic.per_device_batch_size).to(self.device, non_blocking=True)
+                with autocast_for(ic.precision, self.device):
+                    loss = lm_loss(self.forward_model, batch) / accum
+                self.scaler.scale(loss).backward()
+                step_loss += loss.detach()
+            if ic.grad_clip > 0:
+                self.scaler.unscale_(self.opt)
+                torch.nn.utils.clip_grad_norm_(self.params.values(), ic.grad_clip)
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self.opt.zero_grad(set_to_none=True)
+            self.step += 1
+            losses[i] = step_loss
+            if on_step:
+                on_step(i, step_loss)  # a tensor: the callback decides when a .item() sync is worth it
+        n_tokens = n_steps * ic.total_batch_size * self.cfg.data.seq_length
+        losses = losses.cpu()
+        return {"loss": float(losses.mean()) if n_steps else float("nan"), "last_loss": float(losses[-1]),
+                "steps": n_steps, "tokens": n_tokens, "seconds": time.perf_counter() - t0}
+
+    # -- optimizer state as safetensors + JSON --------------------------------------------------------------------
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.params.items():
+            st = self.opt.state.get(p)
+            if not st:
+                continue
+            out[f"{name}::exp_avg"] = st["exp_avg"].detach().cpu()
+            out[f"{name}::exp_avg_sq"] = st["exp_avg_sq"].detach().cpu()
+            out[f"{name}::step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+        return out
+
+    def save_state(self, path) -> dict:
+        """Write the optimizer tensors (atomically); returns the JSON-able rest of the state."""
+        save_streaming(path, self.optimizer_tensors())
+        return {"step": self.step, "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
+
+    def load_state(self, path, extra: dict) -> None:
+        tensors = load_tensors(path)
+        for name, p in self.params.items():
+            if f"{name}::exp_avg" not in tensors:
+                continue
+            self.opt.state[p] = {
+                "exp_avg": tensors[f"{name}::exp_avg"].to(self.device),
+                "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].to(self.device),
+                "step": torch.tensor(float(tensors[f"{name}::step"][0])),
+            }
+        self.step = int(extra.get("step", 0))
+        if extra.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(extra["scaler"])

@@ -1,0 +1,160 @@
+"""Build, load and save Hugging Face causal LMs; the model directory format of the BASE_DIR protocol.
+
+`model.name` may be a config JSON (random init from the seed: pretraining from scratch, the embedded default), a
+local HF model directory, or a hub id. The hub path is the ordinary `from_pretrained` call; it needs network access
+(or a populated HF cache) and fails with a clear message when it has neither.
+
+A model directory on BASE_DIR is what `save_pretrained` writes (config.json, generation_config.json,
+model.safetensors) plus MANIFEST.json; its tensors are exactly `model.named_parameters()` (tied weights once).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from train.config import RunConfig
+from train.store import atomic_publish_dir, new_tmp_dir, write_manifest
+from train.tensorio import StreamingWriter, iter_tensors
+
+WEIGHTS = "model.safetensors"
+
+
+def quiet_transformers() -> None:
+    """No per-call progress bars from transformers / datasets inside workers (our own bars say more)."""
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        import datasets
+        datasets.utils.logging.disable_progress_bar()
+        datasets.utils.logging.set_verbosity_error()
+    except Exception:  # datasets is optional for fake data
+        pass
+
+
+def model_source(cfg: RunConfig, name: str | None = None) -> tuple[str, str]:
+    """('config', path) | ('dir', path) | ('hub', id) for a model spec."""
+    spec = cfg.resolve_path(name or cfg.model.name)
+    p = Path(spec)
+    if p.is_file() and p.suffix == ".json":
+        return "config", str(p)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"model {spec}: a directory without config.json is not a HF model directory")
+        return "dir", str(p)
+    if spec.endswith(".json") or spec.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {spec!r}: no such file or directory (model.name in the config)")
+    return "hub", spec
+
+
+def _hub_error(what: str, spec: str, e: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"could not load {what} {spec!r} from the Hugging Face hub ({type(e).__name__}: {e}). Without network "
+        f"access, download it elsewhere (`huggingface-cli download {spec} --local-dir DIR`) and point the config "
+        f"at DIR, or use a config JSON such as configs/tiny-llama.json to train from scratch.")
+
+
+def build_model(cfg: RunConfig, name: str | None = None, seed: int | None = None) -> torch.nn.Module:
+    """The model of round 0 (float32 master weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind, spec = model_source(cfg, name)
+    kw = {"trust_remote_code": cfg.model.trust_remote_code}
+    if kind == "config":
+        mcfg = AutoConfig.from_pretrained(spec, **kw)
+        torch.manual_seed(cfg.seed if seed is None else seed)
+        return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32, **kw)
+    if kind == "dir":
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32, **kw)
+    try:
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32, revision=cfg.model.revision, **kw)
+    except OSError as e:
+        raise _hub_error("model", spec, e) from e
+
+
+def load_tokenizer(cfg: RunConfig):
+    from transformers import AutoTokenizer
+
+    spec = cfg.resolve_path(cfg.model.tokenizer) if cfg.model.tokenizer else None
+    if not spec:
+        kind, spec = model_source(cfg)
+        if kind == "config":
+            raise ValueError(f"model.tokenizer is empty but model.name {cfg.model.name!r} is a config JSON with no "
+                             f"tokenizer: set model.tokenizer (e.g. data/tokenizer)")
+    try:
+        return AutoTokenizer.from_pretrained(spec, revision=cfg.model.revision,
+                                             trust_remote_code=cfg.model.trust_remote_code)
+    except OSError as e:
+        raise _hub_error("tokenizer", spec, e) from e
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The canonical tensors of a model: named_parameters (tied weights once), detached, sharing storage."""
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def save_model_dir(model: torch.nn.Module, final_dir: Path, tokenizer=None) -> None:
+    """save_pretrained into a temp dir, write the manifest, then move it into place atomically."""
+    tmp = new_tmp_dir(final_dir)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        write_manifest(tmp)
+        atomic_publish_dir(tmp, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_model_dir_from(template_dir: Path, final_dir: Path, specs: dict, tensor_stream, extra_files=()) -> str:
+    """Write a model directory whose config comes from `template_dir` and whose weights come from
+    `tensor_stream` (an iterator of (name, tensor) in `specs` order), streaming. Returns the weights' sha256."""
+    tmp = new_tmp_dir(final_dir)
+    try:
+        for fname in ("config.json", "generation_config.json", *extra_files):
+            src = template_dir / fname
+            if src.is_file():
+                shutil.copy2(src, tmp / fname)
+        with StreamingWriter(tmp / WEIGHTS, specs, metadata={"format": "pt"}) as w:
+            for name, t in tensor_stream:
+                w.write(name, t)
+        write_manifest(tmp, hashes={WEIGHTS: w.sha256})
+        atomic_publish_dir(tmp, final_dir)
+        return w.sha256
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_weights_into(model: torch.nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
+    """Copy the tensors of a model directory into `model` in place; returns them (float32 CPU copies)."""
+    params = params_of(model)
+    seen = {}
+    for name, t in iter_tensors(model_dir / WEIGHTS):
+        if name not in params:
+            raise ValueError(f"{model_dir}: tensor {name!r} is not a parameter of the model")
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(f"{model_dir}: {name} has shape {tuple(t.shape)}, model has {tuple(params[name].shape)}")
+        params[name].copy_(t)
+        seen[name] = t
+    missing = set(params) - set(seen)
+    if missing:
+        raise ValueError(f"{model_dir}: missing tensors {sorted(missing)[:5]}")
+    return seen
+
+
+def model_config_json(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"inner.device = {spec!r} but CUDA is not available on {os.uname().nodename}")
+    return torch.device(spec)

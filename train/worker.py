@@ -1,0 +1,215 @@
+"""The DiLoCo worker process: train from the committed global model, publish the pseudo-gradient, repeat.
+
+    python -m train.worker --config evolution.json --worker 0 [--set inner.lr=1e-3 ...]
+
+Round r, worker w (DESIGN.md, "DiLoCo round r"):
+  1. wait until θ_r is committed; load it (and our inner optimizer state / data position on a restart)
+  2. H inner AdamW steps on our shard
+  3. write Δ = θ_r − θ_w to workers/wXXX/delta-r.safetensors (private, atomic)
+  4. save optimizer state + state.json {round_done: r, data position, step}   <- our resume point
+  5. publish: move the delta into rounds/r/deltas/ and write its JSON sidecar (the sidecar marks it complete)
+A crash before 4 redoes round r from the same data position; a crash between 4 and 5 publishes the saved delta on
+restart (or drops it when the run has moved on). Nothing is trained twice and no data is replayed or skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+import torch
+
+from train.config import ConfigError, RunConfig, load_config
+from train.data import ShardSampler, TokenData, find_data
+from train.inner import InnerTrainer
+from train.logs import setup_logging
+from train.model import WEIGHTS, load_weights_into, pick_device, quiet_transformers
+from train.store import (PROTOCOL_VERSION, ProtocolError, RunPaths, atomic_write_json, read_json, wait_for)
+from train.tensorio import DTYPE_BY_NAME, StreamingWriter, read_header
+
+log = logging.getLogger("worker")
+
+
+class Heartbeat:
+    """workers/wXXX/progress.json, rewritten at most every `every` seconds (progress bars, `status`)."""
+
+    def __init__(self, path, worker: int, every: float = 1.0):
+        self.path, self.worker, self.every = path, worker, every
+        self._last = 0.0
+
+    def beat(self, force: bool = False, **fields) -> None:
+        now = time.time()
+        if not force and now - self._last < self.every:
+            return
+        self._last = now
+        loss = fields.get("loss")
+        if isinstance(loss, torch.Tensor):
+            fields["loss"] = float(loss)
+        atomic_write_json(self.path, {"worker": self.worker, "pid": os.getpid(), "host": socket.gethostname(),
+                                      "time": now, **fields})
+
+
+def build_worker_model(paths: RunPaths):
+    """An empty model of the run's architecture (from θ_0's config); weights come from the global model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mcfg = AutoConfig.from_pretrained(str(paths.global_dir(0)))
+    return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
+
+
+class Worker:
+    def __init__(self, cfg: RunConfig, worker_id: int):
+        if not 0 <= worker_id < cfg.outer.num_workers:
+            raise ConfigError(f"--worker {worker_id}: must be in 0..{cfg.outer.num_workers - 1} "
+                              f"(outer.num_workers = {cfg.outer.num_workers})")
+        self.cfg, self.w = cfg, worker_id
+        self.paths = RunPaths(cfg.run_dir)
+        self.poll = cfg.outer.poll_interval_s
+        self.hb = Heartbeat(self.paths.progress(worker_id), worker_id)
+
+    # -- setup ----------------------------------------------------------------------------------------------------
+    def wait_for_run(self) -> None:
+        log.info("waiting for the coordinator to initialise %s", self.paths.root)
+        self.hb.beat(force=True, status="waiting for round 0")
+        wait_for(lambda: self.paths.committed(0).is_file(), None, self.poll)
+        run = read_json(self.paths.run_json)
+        if run.get("protocol") != PROTOCOL_VERSION:
+            raise ProtocolError(f"{self.paths.run_json}: protocol {run.get('protocol')}, this worker speaks "
+                                f"{PROTOCOL_VERSION}")
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        if cfg.inner.threads:
+            torch.set_num_threads(cfg.inner.threads)
+        torch.manual_seed(cfg.seed * 1000 + self.w)
+        self.wait_for_run()
+        self.device = pick_device(cfg.inner.device)
+        model = build_worker_model(self.paths)
+        self.trainer = InnerTrainer(cfg, model, self.device)
+        self.data = TokenData.open(find_data(cfg), cfg.data.seq_length, cfg.data.eval_fraction)
+        self.state = {"round_done": -1, "position": 0, "step": 0}
+        if self.paths.worker_state(self.w).is_file():
+            self.state = read_json(self.paths.worker_state(self.w))
+            opt_file = self.paths.worker_dir(self.w) / self.state["opt_file"]
+            self.trainer.load_state(opt_file, self.state)
+            log.info("resumed worker state: last round done %d, data position %d, inner step %d",
+                     self.state["round_done"], self.state["position"], self.state["step"])
+        self.sampler = ShardSampler(self.data, self.w, cfg.outer.num_workers, cfg.seed, self.state["position"])
+        lo, hi = self.sampler.lo, self.sampler.hi
+        log.info("worker %d on %s: shard windows [%d, %d) of %d tokens each, device %s", self.w,
+                 socket.gethostname(), lo, hi, cfg.data.seq_length, self.device)
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.setup()
+        rounds = self.cfg.outer.rounds
+        while True:
+            r = self.paths.latest_committed()
+            if r >= rounds:
+                log.info("round %d committed: the run is complete", r)
+                self.hb.beat(force=True, status="done", round=r)
+                return
+            if self.state["round_done"] >= r:
+                self.publish_pending(self.state["round_done"])
+                self.hb.beat(force=True, status="waiting for the outer step", round=r)
+                wait_for(lambda: (self.paths.latest_committed() or 0) > r, None, self.poll)
+                continue
+            self.train_round(r)
+
+    def train_round(self, r: int) -> None:
+        cfg, paths = self.cfg, self.paths
+        H = cfg.outer.local_steps
+        t0 = time.perf_counter()
+        global_dir = paths.global_dir(r)
+        theta_r = load_weights_into(self.trainer.model, global_dir)  # CPU copies of θ_r, model updated in place
+        order = sorted(read_header(global_dir / WEIGHTS)[0].items(), key=lambda kv: kv[1]["data_offsets"][0])
+        names = [n for n, _ in order]
+        t_load = time.perf_counter() - t0
+
+        def on_step(i: int, loss) -> None:
+            self.hb.beat(status="training", round=r, step=i + 1, steps=H, loss=loss)
+
+        self.hb.beat(force=True, status="training", round=r, step=0, steps=H)
+        stats = self.trainer.train_steps(self.sampler.next_batch, H, on_step)
+        log.info("round %d: %d steps, loss %.4f (last %.4f), %.0f tok/s", r, H, stats["loss"], stats["last_loss"],
+                 stats["tokens"] / max(stats["seconds"], 1e-9))
+
+        # Δ = θ_r − θ_w, in the order of the global file so the reducer reads every file sequentially.
+        dtype = DTYPE_BY_NAME[cfg.outer.delta_dtype]
+        params = dict(self.trainer.model.named_parameters())
+        pending = paths.worker_pending_delta(self.w, r)
+        specs = {n: (dtype, tuple(theta_r[n].shape)) for n in names}
+        finite = True
+        with StreamingWriter(pending, specs, metadata={"round": str(r), "worker": str(self.w)}) as wr:
+            for n in names:
+                d = (theta_r[n] - params[n].detach().float().cpu()).to(dtype)
+                finite = finite and bool(torch.isfinite(d).all())
+                wr.write(n, d)
+        if not finite:
+            log.error("round %d: the delta has non-finite values (diverged?); publishing it anyway so the reducer "
+                      "rejects it visibly", r)
+        sidecar = {"protocol": PROTOCOL_VERSION, "round": r, "worker": self.w, "inner_steps": H,
+                   "tokens": stats["tokens"], "loss": stats["loss"], "last_loss": stats["last_loss"],
+                   "sha256": wr.sha256, "bytes": wr.nbytes, "dtype": cfg.outer.delta_dtype,
+                   "host": socket.gethostname(), "train_seconds": stats["seconds"], "load_seconds": t_load,
+                   "time": time.time()}
+        # Our resume point: optimizer state, data position, schedule step, and the sidecar to publish.
+        opt_file = paths.worker_opt(self.w, r)
+        extra = self.trainer.save_state(opt_file)
+        self.state = {"round_done": r, "position": self.sampler.position, "opt_file": opt_file.name,
+                      "sidecar": sidecar, **extra}
+        atomic_write_json(paths.worker_state(self.w), self.state)
+        for old in paths.worker_dir(self.w).glob("opt-r*.safetensors"):
+            if old.name != opt_file.name:
+                old.unlink(missing_ok=True)
+        self.publish_pending(r)
+
+    def publish_pending(self, r: int) -> None:
+        """Move our saved delta of round r into rounds/r/deltas/ and write its sidecar (idempotent)."""
+        paths = self.paths
+        pending = paths.worker_pending_delta(self.w, r)
+        if paths.delta_meta(r, self.w).is_file() or not pending.is_file():
+            return
+        latest = paths.latest_committed()
+        if latest is not None and latest > r:
+            log.warning("round %d was committed without us (we were too slow or restarted); dropping our delta "
+                        "and rejoining at round %d", r, latest)
+            pending.unlink(missing_ok=True)
+            return
+        try:
+            paths.deltas_dir(r).mkdir(parents=True, exist_ok=True)
+            os.replace(pending, paths.delta_file(r, self.w))
+            atomic_write_json(paths.delta_meta(r, self.w), self.state["sidecar"])
+        except FileNotFoundError:
+            log.warning("round %d disappeared while publishing (already reduced and cleaned up)", r)
+            return
+        log.info("round %d: published delta (%.1f MB)", r, self.state["sidecar"]["bytes"] / 1e6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m train.worker", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="evolution.json", help="evolution.json of the run")
+    ap.add_argument("--worker", type=int, required=True, help="this worker's id, 0..num_workers-1")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
+    args = ap.parse_args(argv)
+    setup_logging(f"worker-{args.worker:03d}")
+    quiet_transformers()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.threads:
+            cfg.inner.threads = args.threads
+        Worker(cfg, args.worker).run()
+    except (ConfigError, ProtocolError) as e:
+        log.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
