@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny run configs in a temp BASE_DIR (micro Llama, the embedded corpus or fake data)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Never reach a hub from tests.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def tiny_config(base_dir: Path, **sections) -> dict:
+    """A run config for tests: micro Llama (~38k params), short windows, 1 thread, fast polling."""
+    cfg = {
+        "project_name": "t",
+        "base_dir": str(base_dir),
+        "seed": 0,
+        "model": {"name": str(REPO / "configs" / "micro-llama.json"), "tokenizer": str(REPO / "data" / "tokenizer")},
+        "data": {"dataset": str(REPO / "data" / "corpus"), "seq_length": 32, "eval_fraction": 0.02,
+                 "max_tokens": 200_000},
+        "inner": {"lr": 3e-3, "warmup_steps": 2, "per_device_batch_size": 8, "total_batch_size": 8,
+                  "threads": 1, "device": "cpu"},
+        "outer": {"num_workers": 2, "rounds": 3, "local_steps": 5, "lr": 0.7, "momentum": 0.9,
+                  "poll_interval_s": 0.05, "round_timeout_s": 120},
+        "eval": {"batch_size": 8, "batches": 2},
+        "logging": {"progress": False, "plot": True},
+    }
+    for sec, vals in sections.items():
+        if isinstance(vals, dict) and isinstance(cfg.get(sec), dict):
+            cfg[sec].update(vals)
+        else:
+            cfg[sec] = vals
+    return cfg
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    """write_config(**sections) -> path of an evolution.json in tmp_path (BASE_DIR = tmp_path/runs)."""
+    def _write(name: str = "evolution.json", **sections) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps(tiny_config(tmp_path / "runs", **sections), indent=1))
+        return path
+    return _write
