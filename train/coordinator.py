@@ -74,9 +74,15 @@ class Coordinator:
             log.info("initialising round 0 (%s, %.2fM parameters)", cfg.model.name,
                      sum(p.numel() for p in model.parameters()) / 1e6)
             save_model_dir(model, paths.global_dir(0))
-            atomic_write_json(paths.committed(0), {"round": 0, "time": time.time(), "protocol": PROTOCOL_VERSION})
+            eval0 = evaluate(self.model, self.eval_windows, cfg.eval.batch_size, self.device, cfg.inner.precision)
+            atomic_write_json(paths.committed(0), {"round": 0, "time": time.time(), "protocol": PROTOCOL_VERSION,
+                                                   "eval_loss": eval0})
+            self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
+            self.logger.log({"round": 0, "time": time.time(), "eval_loss": eval0, "tokens": 0, "inner_steps": 0})
+            log.info("round 0: eval loss of the initial model %.4f", eval0)
+        else:
+            self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
         self.names = self._param_order(0)
-        self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
 
     def _param_order(self, r: int) -> list[str]:
         header, _ = read_header(self.paths.global_dir(r) / WEIGHTS)
@@ -340,10 +346,24 @@ class Coordinator:
             self.tokenizer.save_pretrained(str(tmp))
         write_manifest(tmp)
         atomic_publish_dir(tmp, paths.final)
+        if self.tokenizer is not None:
+            log.info("sample from the final model: %r", self.sample(paths.final))
         if cfg.logging.plot:
             from train.plot import plot_losses
             plot_losses(read_jsonl(paths.metrics), paths.plot, title=f"{cfg.project_name}: DiLoCo")
         log.info("final model in %s", paths.final)
+
+
+    def sample(self, model_dir, prompt: str = "\n", tokens: int = 40) -> str:
+        """A short greedy-free sample (top-k 40, seeded) to show the model generates text."""
+        load_weights_into(self.model, model_dir)
+        self.model.eval()
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
+        torch.manual_seed(self.cfg.seed)
+        with torch.no_grad():
+            out = self.model.generate(ids, max_new_tokens=tokens, do_sample=True, top_k=40,
+                                      pad_token_id=self.tokenizer.pad_token_id)
+        return self.tokenizer.decode(out[0][ids.shape[1]:], skip_special_tokens=True)
 
 
 def config_summary(cfg: RunConfig) -> str:

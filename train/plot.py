@@ -17,8 +17,8 @@ def plot_losses(records: list[dict], out: Path, title: str = "") -> None:
     recs = [by_round[k] for k in sorted(by_round)]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     if recs:
-        toks = [r["tokens"] for r in recs]
-        ax.plot(toks, [r.get("train_loss") for r in recs], marker=".", label="train loss (mean over workers)")
+        tr = [(r["tokens"], r["train_loss"]) for r in recs if r.get("train_loss") is not None]
+        ax.plot([t for t, _ in tr], [v for _, v in tr], marker=".", label="train loss (mean over workers)")
         ev = [(r["tokens"], r["eval_loss"]) for r in recs if r.get("eval_loss") is not None]
         if ev:
             ax.plot([t for t, _ in ev], [v for _, v in ev], marker="o", label="eval loss (global model)")
