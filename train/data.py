@@ -25,7 +25,7 @@ import torch
 from train.config import RunConfig
 from train.store import atomic_write_json, read_json, wait_for
 
-LOCAL_EXTS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+LOCAL_EXTS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def _local_files(cfg: RunConfig) -> list[str] | None:
