@@ -20,6 +20,15 @@ class WorkerDied(RuntimeError):
     pass
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the simulator dies, even by SIGKILL (Linux prctl)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the worker's own lock still prevents a second copy
+
+
 def tail(path: Path, n: int = 15) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -50,7 +59,8 @@ class LocalWorkers:
             with open(self.log_paths[i], "ab") as logf:
                 self.procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
-                                                   start_new_session=True, env=env))
+                                                   start_new_session=True, env=env,
+                                                   preexec_fn=_die_with_parent))
 
     def check(self) -> None:
         """Raise WorkerDied (with the log's tail) if a worker exited with an error."""

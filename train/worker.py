@@ -81,8 +81,28 @@ class Worker:
             raise ProtocolError(f"{self.paths.run_json}: protocol {run.get('protocol')}, this worker speaks "
                                 f"{PROTOCOL_VERSION}")
 
+    def lock(self) -> None:
+        """One live process per worker id: an exclusive lock on workers/wXXX/lock (flock; NFSv4 maps it to a
+        byte-range lock), held until the process exits."""
+        import fcntl
+
+        path = self.paths.worker_dir(self.w) / "lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_f = open(path, "a+")
+        try:
+            fcntl.flock(self._lock_f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_f.seek(0)
+            raise ProtocolError(f"worker {self.w} is already running ({self._lock_f.read().strip() or 'pid ?'}, "
+                                f"lock {path}); stop it first") from None
+        self._lock_f.seek(0)
+        self._lock_f.truncate()
+        self._lock_f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        self._lock_f.flush()
+
     def setup(self) -> None:
         cfg = self.cfg
+        self.lock()
         if cfg.inner.threads:
             torch.set_num_threads(cfg.inner.threads)
         torch.manual_seed(cfg.seed * 1000 + self.w)
