@@ -353,15 +353,15 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
     return value
 
 
-def _flatten(raw: dict, prefix: str = "") -> dict[str, Any]:
+def _flatten(raw: dict, prefix: str = "", out: dict[str, Any] | None = None) -> dict[str, Any]:
     """{"outer": {"lr": 1}} -> {"outer.lr": 1}; legacy upper-case keys are mapped on the way."""
-    out: dict[str, Any] = {}
+    out = {} if out is None else out  # one dict for all levels: a key given twice is caught in any order
     for k, v in raw.items():
         if not isinstance(k, str):
             raise ConfigError(f"key {k!r} must be a string")
         key = LEGACY_KEYS.get(k, k) if not prefix else prefix + k
         if isinstance(v, dict) and key in _SECTIONS:
-            out.update(_flatten(v, key + "."))
+            _flatten(v, key + ".", out)
         else:
             if key in out:
                 raise ConfigError(f"{key} is given twice (once under a legacy name such as "

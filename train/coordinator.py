@@ -204,13 +204,18 @@ class Coordinator:
                 for n in names:
                     theta = g_reader.read(n)
                     mom = m_reader.read(n) if m_reader else None
-                    grad = None
+                    grad, ds = None, {}
                     for w, wt in zip(workers, weights):
-                        d = d_readers[w].read(n)
-                        if not torch.isfinite(d).all():
-                            raise RejectedDelta(w, f"{n}: non-finite values (NaN/inf)")
-                        grad = d.to(torch.float32).mul_(wt / total) if grad is None else \
+                        ds[w] = d = d_readers[w].read(n)
+                        grad = d.to(torch.float32, copy=True).mul_(wt / total) if grad is None else \
                             grad.add_(d.to(torch.float32), alpha=wt / total)
+                    # NaN/inf in any delta makes the weighted sum non-finite: one cheap screen per tensor,
+                    # the per-worker check only when it trips (a finite overflow of the sum is not a rejection).
+                    if not torch.isfinite(grad.sum()):
+                        for w in workers:
+                            if not torch.isfinite(ds[w]).all():
+                                raise RejectedDelta(w, f"{n}: non-finite values (NaN/inf)")
+                        raise RejectedDelta(workers[0], f"{n}: the averaged delta overflows float32")
                     new, buf = outer_step_tensor(theta, grad, mom, oc.lr, oc.momentum, oc.nesterov)
                     pw.write(n, new)
                     mw.write(n, buf)

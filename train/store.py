@@ -259,8 +259,10 @@ def append_jsonl(path: Path, record: dict) -> None:
     """Append one line (a single write of a whole line; only the coordinator appends to a given file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(record, sort_keys=True) + "\n"
-    with open(path, "a") as f:
-        f.write(line)
+    with open(path, "a+b") as f:
+        if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+            line = "\n" + line  # a crash tore the last line: never glue the next record onto it
+        f.write(line.encode())
         f.flush()
         os.fsync(f.fileno())
 

@@ -24,10 +24,46 @@ _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", t
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class _Background:
+    """Run callables in order on one background thread (hashing / writing overlap the caller's compute:
+    hashlib and file writes release the GIL). `drain()` waits and re-raises the first error."""
+
+    def __init__(self, depth: int = 8):
+        import queue
+        import threading
+
+        self._q: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._err: BaseException | None = None
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if self._err is None:
+                try:
+                    job()
+                except BaseException as e:  # surfaced by drain()
+                    self._err = e
+
+    def submit(self, job) -> None:
+        if self._err is not None:
+            raise self._err
+        self._q.put(job)
+
+    def drain(self) -> None:
+        self._q.put(None)
+        self._t.join()
+        if self._err is not None:
+            raise self._err
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw little-endian bytes of a CPU tensor without a copy (bf16 viewed as bytes)."""
     t = t.detach().to("cpu").contiguous()
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")  # 0-d too
 
 
 class StreamingWriter:
@@ -62,21 +98,35 @@ class StreamingWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = _tmp_name(self.path)
         self._f = open(self._tmp, "wb")
+        self._unsynced = 0
+        self._bg = _Background()
         self._emit(self._header)
         return self
 
-    def _emit(self, data) -> None:
-        self._f.write(data)
-        self._hash.update(data)
+    SYNC_EVERY = 64 << 20  # flush to disk as we go, so the final fsync has little left to wait for
+
+    def _emit(self, data, keepalive=None) -> None:
+        def job(data=data, keepalive=keepalive):  # keepalive: the tensor that owns `data`'s memory
+            self._f.write(data)
+            self._hash.update(data)
+            self._unsynced += len(data)
+            if self._unsynced >= self.SYNC_EVERY:
+                self._f.flush()
+                os.fdatasync(self._f.fileno())
+                self._unsynced = 0
+        self._bg.submit(job)
 
     def write(self, name: str, t: torch.Tensor) -> None:
+        """Queue `t` for writing; it is written (and hashed) in the background, so do not modify it in place
+        before the writer is closed."""
         expected = self.order[self._next] if self._next < len(self.order) else None
         if name != expected:
             raise ValueError(f"{self.path.name}: expected tensor {expected!r} next, got {name!r}")
         dtype, shape = self.specs[name]
         if t.dtype != dtype or tuple(t.shape) != tuple(shape):
             raise ValueError(f"{self.path.name}: {name}: got {t.dtype}{tuple(t.shape)}, declared {dtype}{shape}")
-        self._emit(tensor_bytes(t))
+        t = t.detach().to("cpu").contiguous()
+        self._emit(tensor_bytes(t), keepalive=t)
         self._next += 1
 
     @property
@@ -85,6 +135,7 @@ class StreamingWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
+            self._bg.drain()
             if exc_type is None:
                 if self._next != len(self.order):
                     raise ValueError(f"{self.path.name}: only {self._next}/{len(self.order)} tensors written")
@@ -95,6 +146,7 @@ class StreamingWriter:
                 os.replace(self._tmp, self.path)
                 fsync_dir(self.path.parent)
         finally:
+            self._f.close()  # also when we raise above (e.g. too few tensors): no leaked handle
             if self._tmp.exists():
                 self._tmp.unlink()
 
@@ -159,6 +211,7 @@ class SequentialReader:
             self._hash.update(raw)
         self._base = 8 + n
         self._pos = 0
+        self._bg = _Background() if hash_bytes else None
 
     @property
     def names_in_order(self) -> list[str]:
@@ -168,16 +221,19 @@ class SequentialReader:
         return _TORCH_DTYPES[self.header[name]["dtype"]]
 
     def read(self, name: str) -> torch.Tensor:
+        """The next tensor (its memory is hashed in the background: treat it as read-only)."""
         info = self.header[name]
         start, end = info["data_offsets"]
         if start != self._pos:
-            raise ValueError(f"{self.path}: tensor {name!r} is not next in file order")
+            if self._hash is not None:  # the hash needs every byte in order
+                raise ValueError(f"{self.path}: tensor {name!r} is not next in file order")
+            self._f.seek(self._base + start)
         buf = bytearray(end - start)
         got = self._f.readinto(buf)
         if got != len(buf):
             raise ValueError(f"{self.path}: truncated inside tensor {name!r}")
-        if self._hash:
-            self._hash.update(buf)
+        if self._bg is not None:
+            self._bg.submit(lambda b=buf: self._hash.update(b))  # hashed while the caller computes
         self._pos = end
         dtype = _TORCH_DTYPES[info["dtype"]]
         if not buf:
@@ -187,10 +243,17 @@ class SequentialReader:
     def finish(self) -> str | None:
         """Hash whatever follows the last tensor; return the file's sha256 (None if not hashing)."""
         while chunk := self._f.read(1 << 22):
-            if self._hash:
-                self._hash.update(chunk)
+            if self._bg is not None:
+                self._bg.submit(lambda b=chunk: self._hash.update(b))
         self._f.close()
-        return self._hash.hexdigest() if self._hash else None
+        if self._bg is None:
+            return None
+        bg, self._bg = self._bg, None
+        bg.drain()
+        return self._hash.hexdigest()
 
     def close(self) -> None:
         self._f.close()
+        if self._bg is not None:
+            bg, self._bg = self._bg, None
+            bg.drain()

@@ -1,0 +1,50 @@
+"""Shared benchmark helpers: timing, page-cache control, results files."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+RESULTS = REPO / "bench" / "results"
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only) so reads come from the disk; False when not allowed."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(fn, *a, **k) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn(*a, **k)
+    return time.perf_counter() - t0, out
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def save_result(name: str, record: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1))
+    return path
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    cols = list(zip(*([header] + [[str(c) for c in r] for r in rows])))
+    widths = [max(len(c) for c in col) for col in cols]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
+    lines += [fmt.format(*[str(c) for c in r]) for r in rows]
+    return "\n".join(lines)
