@@ -12,7 +12,7 @@ from train.config import (ConfigError, LEGACY_KEYS, build_config, load_config, l
 
 def test_repo_config_and_defaults_load():
     cfg = load_config(REPO / "evolution.json")
-    assert cfg.outer.lr == 0.7 and cfg.outer.momentum == 0.9 and cfg.outer.nesterov
+    assert cfg.outer.lr == 1.0 and cfg.outer.momentum == 0.0 and cfg.outer.nesterov  # best of our sweep (README)
     assert cfg.inner.lr == 4e-4 and (cfg.inner.beta1, cfg.inner.beta2, cfg.inner.weight_decay) == (0.9, 0.95, 0.1)
     assert cfg.run_dir == REPO / "runs" / "diloco-shakespeare"
     assert load_config(None).project_name == "diloco-shakespeare"

@@ -147,8 +147,9 @@ class OuterConfig:
     num_workers: int = doc(2, "Workers (DiLoCo replicas); the prototype's NUM_MACHINES.")
     rounds: int = doc(10, "Outer rounds (DiLoCo) to run.")
     local_steps: int = doc(50, "H: inner optimizer steps per worker between outer steps.")
-    lr: float = doc(0.7, "Outer SGD learning rate (DiLoCo paper: 0.7).")
-    momentum: float = doc(0.9, "Outer SGD momentum (DiLoCo paper: 0.9).")
+    lr: float = doc(1.0, "Outer SGD learning rate. 1.0 with momentum 0 (parameter averaging) was best in our "
+                         "sweep at the embedded scale (README: benchmarks); the DiLoCo paper uses 0.7.")
+    momentum: float = doc(0.0, "Outer SGD momentum; the DiLoCo paper uses 0.9 (Nesterov) at larger scale and H.")
     nesterov: bool = doc(True, "Nesterov momentum for the outer step.")
     min_workers: int = doc(1, "After `round_timeout_s`, commit the round if at least this many deltas arrived.")
     round_timeout_s: float = doc(1800.0, "Seconds the reducer waits for all deltas before going on without the "
@@ -195,6 +196,32 @@ class EDTConfig:
     tournament_size: int = doc(3, "Contestants per tournament in parent selection.")
     selection: str = doc("tournament", "tournament or rank.")
     crossover: str = doc("outer_sgd", "outer_sgd (pairwise outer step), linear or slerp.")
+    mutation_steps: int = doc(0, "Inner AdamW steps of one mutation (per member and generation); 0 = "
+                                 "outer.local_steps.")
+    fitness: str = doc("inverse_loss", "Fitness of a member from its eval loss: inverse_loss (1/loss, the "
+                                       "prototype's), neg_loss, or `module:function` (called with the member's "
+                                       "result dict, returns a float; higher is fitter).")
+    genes: dict = doc({"inner_lr": [0.5, 2.0], "outer_lr": [0.5, 1.0], "outer_momentum": [0.0, 0.9],
+                       "data_mix": [0.0, 0.25]},
+                      "The DNA: gene -> [low, high]. inner_lr multiplies inner.lr (log scale); outer_lr and "
+                      "outer_momentum drive the outer_sgd crossover that makes a child; data_mix is the fraction of "
+                      "windows drawn from the whole corpus instead of the member's shard. Genes left out use the "
+                      "config value; {} = no DNA.")
+    t_curves: dict = doc({"default": 0.5},
+                         "Interpolation t of linear / slerp per tensor (mergekit gradients): {filter: t or [t, ...]}"
+                         "; a filter (e.g. self_attn, mlp) matches tensor names containing it, `default` the rest; "
+                         "layer i of N reads the curve at i/(N-1), non-layer tensors its first value.")
+    keep_generations: int = doc(2, "Generations kept whole on disk (>= 2: resume and selection need the last two); "
+                                   "older ones keep only their best member.")
+    inherit_optimizer: bool = doc(True, "A child resumes its first parent's inner AdamW state (false: fresh AdamW "
+                                        "every mutation, as the prototype).")
+    job_lease_s: float = doc(120.0, "A claimed job whose worker has not renewed its lease for this long is "
+                                    "re-queued for another worker.")
+    max_attempts: int = doc(3, "Claims of one job before the run stops with an error (a job that kills workers).")
+
+    # gene name -> (lowest allowed, highest allowed); see train/evolution.py GENES for what each one drives.
+    GENE_LIMITS: typing.ClassVar[dict] = {"inner_lr": (1e-6, 1e3), "outer_lr": (1e-6, 10.0),
+                                          "outer_momentum": (0.0, 0.999), "data_mix": (0.0, 1.0)}
 
     def validate(self, p: str) -> None:
         _check_range(self, p, "population_size", 0)
@@ -203,11 +230,32 @@ class EDTConfig:
         _check_range(self, p, "mutation_strength", 0.0)
         _check_range(self, p, "elitism", 0)
         _check_range(self, p, "tournament_size", 1)
+        _check_range(self, p, "mutation_steps", 0)
+        _check_range(self, p, "keep_generations", 2)
+        _check_range(self, p, "job_lease_s", 0.0, lo_open=True)
+        _check_range(self, p, "max_attempts", 1)
         _check_choice(self, p, "selection", ("tournament", "rank"))
         _check_choice(self, p, "crossover", ("outer_sgd", "linear", "slerp"))
+        if self.fitness not in ("inverse_loss", "neg_loss") and not (
+                self.fitness.count(":") == 1 and all(self.fitness.split(":"))):
+            raise _bad(p + "fitness", self.fitness, "must be inverse_loss, neg_loss or module:function")
         for i, m in enumerate(self.initial_population):
             if not isinstance(m, str) or not m:
                 raise _bad(f"{p}initial_population[{i}]", m, "must be a non-empty string (hub id or path)")
+        for name, rng in self.genes.items():
+            if name not in self.GENE_LIMITS:
+                raise _bad(f"{p}genes.{name}", rng, f"unknown gene; the genes are {', '.join(self.GENE_LIMITS)}")
+            lo_ok, hi_ok = self.GENE_LIMITS[name]
+            if (not isinstance(rng, list) or len(rng) != 2 or
+                    any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in rng)):
+                raise _bad(f"{p}genes.{name}", rng, "must be [low, high] (two numbers)")
+            if not lo_ok <= rng[0] <= rng[1] <= hi_ok:
+                raise _bad(f"{p}genes.{name}", rng, f"needs {lo_ok} <= low <= high <= {hi_ok}")
+        for filt, curve in self.t_curves.items():
+            vals = curve if isinstance(curve, list) else [curve]
+            if not vals or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
+                               for v in vals):
+                raise _bad(f"{p}t_curves.{filt}", curve, "must be a number in [0, 1] or a non-empty list of them")
 
 
 @dataclass(kw_only=True)
@@ -439,15 +487,23 @@ class Machine:
     identity_file: str | None = doc(None, "Private key file; default: ssh-agent and ~/.ssh/id_*.")
     python: str = doc("python3", "Interpreter (or venv python) on that host.")
     workdir: str | None = doc(None, "The project checkout on that host (usually on the shared disk); default: "
-                                    "the folder holding machines.json.")
+                                    "the launcher's own checkout path.")
     env: dict = doc({}, "Extra environment variables for the processes on that host.")
     setup: str | None = doc(None, "A shell line run before the worker, e.g. `source /share/venv/bin/activate`.")
-    gpus: int | None = doc(None, "Local processes (GPUs) for a worker on that host; default: 1 process.")
+    gpus: int | list | None = doc(None, "Worker processes on that host, one per GPU: N (CUDA_VISIBLE_DEVICES=0..N-1) "
+                                        "or a list of device ids such as [0, 2]; default: 1 process, devices as is.")
     name: str | None = doc(None, "Label used in logs and status; default: host[:port].")
 
     @property
     def label(self) -> str:
         return self.name or (self.host if self.port == 22 else f"{self.host}:{self.port}")
+
+    @property
+    def gpu_ids(self) -> list[int] | None:
+        """The CUDA device ids of this host's worker slots (None: one slot, CUDA_VISIBLE_DEVICES left alone)."""
+        if self.gpus is None:
+            return None
+        return list(range(self.gpus)) if isinstance(self.gpus, int) else list(self.gpus)
 
 
 def load_machines(path: str | os.PathLike) -> list[Machine]:
@@ -479,6 +535,12 @@ def load_machines(path: str | os.PathLike) -> list[Machine]:
                 hint = f"; did you mean {close[0]!r}?" if close else f" (allowed: {', '.join(known)})"
                 raise ConfigError(f"{where}: unknown key {k!r}{hint}")
             try:
+                if k == "gpus" and isinstance(v, list):
+                    if not v or any(not isinstance(g, int) or isinstance(g, bool) or g < 0 for g in v) \
+                            or len(set(v)) != len(v):
+                        raise _bad(k, v, "must be a count >= 1 or a non-empty list of distinct device ids >= 0")
+                    m.gpus = list(v)
+                    continue
                 setattr(m, k, _coerce(k, v, hints[k]))
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
@@ -487,8 +549,17 @@ def load_machines(path: str | os.PathLike) -> list[Machine]:
                               "(no spaces, not starting with '-')")
         if not 1 <= m.port <= 65535:
             raise ConfigError(f"{where}: port = {m.port}: must be 1..65535")
-        if m.gpus is not None and m.gpus < 1:
+        if isinstance(m.gpus, int) and m.gpus < 1:
             raise ConfigError(f"{where}: gpus = {m.gpus}: must be >= 1")
+        if not m.python or m.python.startswith("-"):
+            raise ConfigError(f"{where}: python = {json.dumps(m.python)}: must be an interpreter name or path")
+        if m.workdir is not None and not m.workdir:
+            raise ConfigError(f"{where}: workdir = \"\": must be a folder path (or leave it out)")
+        if m.setup is not None and ("\n" in m.setup or "\r" in m.setup):
+            raise ConfigError(f"{where}: setup = {json.dumps(m.setup)}: must be one shell line (join commands "
+                              "with &&)")
+        if m.name is not None and (not m.name or not m.name.isprintable()):
+            raise ConfigError(f"{where}: name = {json.dumps(m.name)}: must be a non-empty printable label")
         for k, v in m.env.items():
             if not isinstance(v, str) or not k.replace("_", "a").isalnum() or k[0].isdigit():
                 raise ConfigError(f"{where}: env[{k!r}]: names must be [A-Za-z_][A-Za-z0-9_]* and values strings")
