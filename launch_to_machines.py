@@ -1,0 +1,102 @@
+"""Run DiLoCo / EDT on the machines of machines.json over SSH (they share BASE_DIR on one disk).
+
+    python launch_to_machines.py preflight          # SSH, python, torch, transformers, GPUs, shared BASE_DIR
+    python launch_to_machines.py                    # = launch: coordinator on the first machine, worker i on machine i
+    python launch_to_machines.py launch --strategy edt --rounds 20 --set outer.lr=0.5
+    python launch_to_machines.py status             # per host: running/stopped, pid, round, last log line
+    python launch_to_machines.py logs -f [--host gpu2]
+    python launch_to_machines.py stop               # stops exactly the recorded process groups
+Every subcommand takes --dry-run (print the exact remote commands, connect to nothing). Host keys are verified
+against ~/.ssh/known_hosts; authentication is by key or ssh-agent, never by password. See docs/multi-machine.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+COMMANDS = ("launch", "status", "logs", "stop", "preflight")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from train.cli import add_config_args
+    from train.launcher import STRATEGIES
+
+    common = argparse.ArgumentParser(add_help=False)
+    add_config_args(common)
+    g = common.add_argument_group("machines and SSH")
+    g.add_argument("--machines", default="machines.json", help="hosts file (default: %(default)s)")
+    g.add_argument("--known-hosts", help="known_hosts file to check host keys against (default: ~/.ssh/known_hosts "
+                                         "and /etc/ssh/ssh_known_hosts)")
+    g.add_argument("--accept-new-host-keys", action="store_true",
+                   help="trust and record the keys of hosts never seen before (a CHANGED key is still refused)")
+    g.add_argument("--connect-timeout", type=float, default=10.0, help="seconds for TCP connect, SSH banner and "
+                                                                        "authentication, each (default: %(default)s)")
+    g.add_argument("--timeout", type=float, default=180.0, help="seconds a remote command may take (default: "
+                                                                "%(default)s)")
+    g.add_argument("--dry-run", action="store_true", help="print the exact remote commands; connect to nothing")
+
+    ap = argparse.ArgumentParser(prog="launch_to_machines.py", description=__doc__.split("\n")[0],
+                                 epilog="Without a subcommand: launch (the prototype's behaviour).")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("launch", parents=[common], help="start the coordinator and the workers")
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="diloco")
+    p.add_argument("--keep-on-failure", action="store_true",
+                   help="when a host fails to start, keep the processes started on the others")
+    p.add_argument("--check-seconds", type=float, default=2.0,
+                   help="a process that exits within this many seconds counts as failed to start")
+    p = sub.add_parser("status", parents=[common], help="per host: processes, pids, round, last log line")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("logs", parents=[common], help="tail the logs, lines prefixed by host and process")
+    p.add_argument("--host", help="only this machine (label or host)")
+    p.add_argument("-n", "--lines", type=int, default=20)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines (Ctrl-C ends)")
+    p.add_argument("--for", dest="for_s", type=float, default=0.0, help="with -f: stop following after N seconds")
+    p = sub.add_parser("stop", parents=[common], help="stop the run's processes on every host")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    sub.add_parser("preflight", parents=[common], help="check every host before a run")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from train.cli import overrides_from
+    from train.config import ConfigError, load_machines
+    from train.launcher import Launcher, fail
+    from train.ssh import SSHError, SSHOptions
+
+    import logging
+    logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # its errors reach us as SSHError, with the fix
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = next((x for x in argv if x in COMMANDS), None)
+    if cmd is not None:  # options may come before the subcommand
+        argv.remove(cmd)
+    elif argv[:1] in (["-h"], ["--help"]):
+        cmd = None
+    else:
+        cmd = "launch"  # the prototype's `python launch_to_machines.py`
+    argv = ([cmd] if cmd else []) + argv
+    a = build_parser().parse_args(argv)
+    try:
+        machines = load_machines(a.machines)
+        opts = SSHOptions(known_hosts=a.known_hosts, accept_new_host_keys=a.accept_new_host_keys,
+                          connect_timeout=a.connect_timeout)
+        ln = Launcher(machines, a.config, overrides_from(a), opts, timeout=a.timeout)
+        if a.command == "launch":
+            return ln.launch(a.strategy, a.dry_run, a.keep_on_failure, a.check_seconds)
+        if a.command == "status":
+            return ln.status(a.dry_run, a.json)
+        if a.command == "logs":
+            return ln.logs(a.host, a.lines, a.follow, a.for_s, a.dry_run)
+        if a.command == "stop":
+            return ln.stop(a.dry_run, a.grace)
+        return ln.preflight(a.dry_run)
+    except (ConfigError, FileNotFoundError) as e:
+        return fail(str(e))
+    except SSHError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
