@@ -1,0 +1,62 @@
+"""EDT (evolutionary distributed training): selection and crossover as pure functions (for notebooks), run
+loaders, and the coordinator CLI (for runs).
+
+Notebook:
+    import edt
+    pairs = edt.select_pairs(fitness=[0.21, 0.19, 0.2], n_children=3, elitism=1)      # [(0, 0), (2, 0), ...]
+    child = edt.slerp(0.5, tensor_a, tensor_b)                                         # mergekit semantics
+    child, mom = edt.outer_sgd_crossover(pre_a, pre_b, mut_a, mut_b, lr=0.7, momentum=0.9)
+    lineage = edt.load_lineage("runs/edt-shakespeare")          # every genome: parents, DNA, fitness, ...
+    members = edt.load_population("runs/edt-shakespeare")       # the last generation, with model_dir per member
+
+Cluster (the launcher runs this next to the workers; see docs/edt.md):
+    python edt.py --config evolution.json                       # coordinator: select, cross over, commit
+    python -m train.edt_worker --config evolution.json --worker 0
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from train.evolution import (GENES, crossover_dna, decode, fitness_function, mutate_dna, rank_order,  # noqa: F401
+                             rank_weights, select_pairs, tournament)
+from train.lineage import load_lineage, load_population, plot_fitness, plot_lineage  # noqa: F401
+from train.merge import (curve_value, interpolate, lerp, merge_files, outer_sgd_crossover,  # noqa: F401
+                         outer_sgd_tensor, slerp, t_for)
+from train.store import RunPaths, read_jsonl
+
+
+def load_metrics(run_dir: str | Path) -> list[dict]:
+    """The metrics.jsonl records of an EDT run folder (BASE_DIR/<project>), one per evaluated generation."""
+    return read_jsonl(RunPaths(run_dir).metrics)
+
+
+def add_edt_args(ap: argparse.ArgumentParser) -> None:
+    """Config flags plus the EDT shortcuts (--generations, --population map to edt.* keys)."""
+    from train.cli import add_config_args
+
+    add_config_args(ap)
+    ap.add_argument("--generations", type=int, help="edt.max_generations")
+    ap.add_argument("--population", type=int, help="edt.population_size (0 = one member per worker)")
+
+
+def main() -> int:
+    from train.cli import load_from_args
+    from train.edt_coordinator import EDTCoordinator, config_summary
+    from train.model import quiet_transformers
+
+    ap = argparse.ArgumentParser(description="EDT coordinator: waits for the members' results on BASE_DIR, "
+                                             "selects, crosses over and commits each generation.")
+    add_edt_args(ap)
+    args = ap.parse_args()
+    cfg, _ = load_from_args(args)
+    quiet_transformers()
+    import logging
+    logging.getLogger("edt-coordinator").info("%s", config_summary(cfg))
+    EDTCoordinator(cfg).run()
+    return 0
+
+
+if __name__ == "__main__":
+    from train.cli import run_main
+    run_main(main, "edt-coordinator")

@@ -1,0 +1,311 @@
+"""The EDT worker process: claim a mutation job from BASE_DIR, run it, publish the mutated member; repeat.
+
+    python -m train.edt_worker --config evolution.json --worker 0 [--set inner.device=cuda ...]
+
+One job = one member of one generation (generations/gXXX/jobs/mYYY/, written by the coordinator):
+  1. claim it (O_CREAT|O_EXCL of jobs/mYYY.claim; a background thread renews the lease while we work)
+  2. load the child's weights and, when inherited, its first parent's inner AdamW state
+  3. mutate: `steps` inner AdamW steps with the DNA's hyperparameters (peak lr; data mix) on the member's shard,
+     from the member slot's saved data position, on the run's cosine schedule at step generation x steps
+  4. evaluate on the run's fixed held-out windows
+  5. publish members/mYYY/ whole (model, optimizer state, result.json with the new data position, MANIFEST.json)
+     by one create-once rename: if two attempts of a re-queued job finish, exactly one is kept
+Any number of workers serve any population size: free workers take whatever job is unclaimed. A worker that dies
+leaves a claim whose lease expires; the coordinator re-queues it (a restarted worker re-queues its own at once).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+from train.config import ConfigError, RunConfig, load_config
+from train.data import ShardSampler, TokenData, find_data
+from train.edt_store import (EDTPaths, publish_once, read_claim, release_claim, renew_lease, requeue,
+                             tmp_member_dir, try_claim)
+from train.inner import InnerTrainer, evaluate
+from train.logs import setup_logging
+from train.model import WEIGHTS, load_weights_into, pick_device, quiet_transformers
+from train.store import PROTOCOL_VERSION, ProtocolError, atomic_write_json, read_json, wait_for, write_manifest
+from train.tensorio import StreamingWriter, read_header
+from train.worker import Heartbeat
+
+log = logging.getLogger("edt-worker")
+
+
+class JobLost(Exception):
+    """Our claim was re-queued (we were presumed dead): drop the job, another worker has it."""
+
+
+class LeaseKeeper:
+    """Renew a claim's lease from a background thread (liveness even during long saves / evaluations)."""
+
+    def __init__(self, paths: EDTPaths, g: int, m: int, attempt: str, every: float):
+        self.args, self.every = (paths, g, m, attempt), every
+        self.lost = False
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            if not renew_lease(*self.args):
+                self.lost = True
+                return
+
+    def __enter__(self) -> "LeaseKeeper":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def check(self) -> None:
+        if self.lost:
+            raise JobLost()
+
+
+class MixSampler:
+    """The member's batches: its own shard, plus a `mix` fraction of windows from the whole training set (the
+    data_mix gene). Both streams are ShardSamplers whose positions are the whole state, saved per member slot."""
+
+    def __init__(self, data: TokenData, member: int, population: int, seed: int, own: int, mixed: int,
+                 mix: float):
+        self.own = ShardSampler(data, member, population, seed, own)
+        self.mixed = ShardSampler(data, 0, 1, seed * 1_000_003 + 7919 * (member + 1), mixed)
+        self.mix = float(mix)
+        self._k = 0  # windows drawn in this job: the interleaving is a deterministic function of it
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        rows = []
+        for _ in range(batch_size):
+            k, f = self._k, self.mix
+            from_mix = int((k + 1) * f) > int(k * f)  # exactly round(f * n) of the first n windows, spread out
+            rows.append((self.mixed if from_mix else self.own).next_batch(1))
+            self._k += 1
+        return torch.cat(rows)
+
+    @property
+    def positions(self) -> dict:
+        return {"own": self.own.position, "mix": self.mixed.position}
+
+
+class EDTWorker:
+    def __init__(self, cfg: RunConfig, worker_id: int):
+        if worker_id < 0:
+            raise ConfigError(f"--worker {worker_id}: must be >= 0")
+        self.cfg, self.w = cfg, worker_id
+        self.paths = EDTPaths(cfg.run_dir)
+        self.poll = cfg.outer.poll_interval_s
+        self.hb = Heartbeat(self.paths.progress(worker_id), worker_id)
+        self.model = None
+        self.started = time.time()
+
+    def lock(self) -> None:
+        """One live process per worker id (flock on workers/wXXX/lock, held until exit)."""
+        import fcntl
+
+        path = self.paths.worker_dir(self.w) / "lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_f = open(path, "a+")
+        try:
+            fcntl.flock(self._lock_f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ProtocolError(f"EDT worker {self.w} is already running (lock {path}); stop it first") from None
+
+    def setup(self) -> None:
+        cfg, paths = self.cfg, self.paths
+        self.lock()
+        if cfg.inner.threads:
+            torch.set_num_threads(cfg.inner.threads)
+        log.info("waiting for the EDT coordinator to commit generation 0 in %s", paths.root)
+        self.hb.beat(force=True, status="waiting for generation 0")
+        from transformers import AutoModelForCausalLM  # noqa: F401  (slow first import, overlapped with the wait)
+        wait_for(lambda: paths.latest_generation() is not None, None, self.poll)
+        run = read_json(paths.run_json)
+        if run.get("protocol") != PROTOCOL_VERSION:
+            raise ProtocolError(f"{paths.run_json}: protocol {run.get('protocol')}, this worker speaks "
+                                f"{PROTOCOL_VERSION}")
+        if run.get("identity", {}).get("strategy") != "edt":
+            raise ProtocolError(f"{paths.root} is not an EDT run (a DiLoCo run?): use another project_name")
+        self.device = pick_device(cfg.inner.device)
+        self.data = TokenData.open(find_data(cfg), cfg.data.seq_length, cfg.data.eval_fraction)
+        self.eval_windows = torch.from_numpy(self.data.eval_windows(cfg.eval.batches * cfg.eval.batch_size))
+        log.info("EDT worker %d on %s, device %s", self.w, socket.gethostname(), self.device)
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.setup()
+        released_old = set()
+        while True:
+            if self.run_is_done():
+                log.info("the run is complete (%s)", self.paths.done)
+                self.hb.beat(force=True, status="done")
+                return
+            g = self.paths.latest_generation()
+            if g not in released_old:
+                self.release_predecessor_claims(g)
+                released_old.add(g)
+            job = self.claim_next(g)
+            if job is None:
+                self.hb.beat(status="waiting for a job", generation=g)
+                time.sleep(self.poll)
+                continue
+            m, attempt = job
+            try:
+                self.run_job(g, m, attempt)
+            except JobLost:
+                log.warning("job g%d/m%d was re-queued while we ran it (lease lost): dropped", g, m)
+            except (OSError, ValueError) as e:
+                if not (self.paths.has_result(g, m) or self.paths.latest_generation() != g):
+                    raise
+                # a re-queued duplicate whose inputs were cleaned up after the original attempt finished
+                log.warning("job g%d/m%d failed (%s) but it is already done: dropped", g, m, e)
+
+    def run_is_done(self) -> bool:
+        """DONE.json says so, unless it is a finished run's marker that our config extends (more generations): then
+        the coordinator removes it and goes on."""
+        try:
+            done = read_json(self.paths.done)
+        except (OSError, ValueError):
+            return False
+        return done.get("generations", 0) >= self.cfg.edt.max_generations or done.get("time", 0) >= self.started
+
+    def release_predecessor_claims(self, g: int) -> None:
+        """Claims that name our worker id but another process: our predecessor died holding them."""
+        for claim in self.paths.jobs_dir(g).glob("m*.claim"):
+            m = int(claim.name[1:].split(".")[0])
+            c = read_claim(self.paths, g, m)
+            if c and c.get("worker") == self.w and (c.get("pid"), c.get("host")) != (os.getpid(),
+                                                                                     socket.gethostname()):
+                requeue(self.paths, g, m, f"worker {self.w} restarted")
+                log.info("re-queued job g%d/m%d, claimed by our previous process", g, m)
+
+    def claim_next(self, g: int) -> tuple[int, str] | None:
+        """Claim the first free job, starting at our own slot (spreads workers over jobs)."""
+        pop = self.paths.population(g)
+        for k in range(pop):
+            m = (self.w + k) % pop
+            attempt = try_claim(self.paths, g, m, self.w)
+            if attempt:
+                return m, attempt
+        return None
+
+    # -- one job --------------------------------------------------------------------------------------------------
+    def run_job(self, g: int, m: int, attempt: str) -> None:
+        cfg, paths = self.cfg, self.paths
+        tmp = None
+        try:
+            with LeaseKeeper(paths, g, m, attempt, cfg.edt.job_lease_s / 4) as lease:
+                job = read_json(paths.job_json(g, m))
+                log.info("job g%d/m%d (attempt %s): %d steps, genes %s", g, m, attempt, job["steps"],
+                         {k: round(v, 5) for k, v in job["hyper"].items()})
+                tmp = tmp_member_dir(paths, g, m, attempt)
+                result = self._mutate_and_evaluate(g, m, attempt, job, lease, tmp)
+                lease.check()
+                published = publish_once(tmp, paths.member_dir(g, m))
+            if published:
+                tmp = None
+                log.info("job g%d/m%d done: eval loss %.4f, train loss %.4f", g, m, result["eval_loss"],
+                         result["train_loss"])
+            else:
+                log.warning("job g%d/m%d was already published by another attempt: ours dropped", g, m)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            release_claim(paths, g, m, attempt)
+            self.hb.beat(force=True, status="idle", generation=g)
+
+    def _mutate_and_evaluate(self, g: int, m: int, attempt: str, job: dict, lease: LeaseKeeper, tmp) -> dict:
+        cfg, paths = self.cfg, self.paths
+        job_dir = paths.job_dir(g, m)
+        if self.model is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(job_dir)),
+                                                          dtype=torch.float32)
+        load_weights_into(self.model, job_dir)
+        bytes_read = (job_dir / WEIGHTS).stat().st_size
+        # The job's hyperparameters: the DNA's lr on the run's schedule (warmup once, cosine over all generations).
+        jc = copy.deepcopy(cfg)
+        jc.inner.lr = float(job["hyper"]["inner_lr"])
+        jc.inner.total_steps = int(job["schedule_total"])
+        trainer = InnerTrainer(jc, self.model, self.device)
+        if job.get("optimizer_from"):
+            opt = paths.root / job["optimizer_from"]
+            trainer.load_state(opt, {})
+            bytes_read += opt.stat().st_size
+        trainer.step = int(job["schedule_step"])
+        torch.manual_seed(cfg.seed * 1_000_003 + g * 1009 + m)
+        pos = job["position"]
+        sampler = MixSampler(self.data, m, int(job["population"]), cfg.seed, int(pos["own"]), int(pos["mix"]),
+                             float(job["hyper"]["data_mix"]))
+        steps = int(job["steps"])
+
+        def on_step(i: int, loss) -> None:
+            lease.check()
+            self.hb.beat(status="training", generation=g, member=m, step=i + 1, steps=steps, loss=loss)
+
+        self.hb.beat(force=True, status="training", generation=g, member=m, step=0, steps=steps)
+        stats = trainer.train_steps(sampler.next_batch, steps, on_step)
+        t0 = time.perf_counter()
+        eval_loss = evaluate(self.model, self.eval_windows, cfg.eval.batch_size, self.device, cfg.inner.precision)
+        t_eval = time.perf_counter() - t0
+
+        # members/mYYY/: the job's config files, the mutated weights (in the job file's order), optimizer state.
+        for fname in ("config.json", "generation_config.json"):
+            if (job_dir / fname).is_file():
+                shutil.copy2(job_dir / fname, tmp / fname)
+        header = read_header(job_dir / WEIGHTS)[0]
+        names = sorted(header, key=lambda k: header[k]["data_offsets"][0])
+        params = dict(self.model.named_parameters())
+        specs = {n: (params[n].dtype, tuple(params[n].shape)) for n in names}
+        with StreamingWriter(tmp / WEIGHTS, specs, metadata={"format": "pt"}) as wr:
+            for n in names:
+                wr.write(n, params[n].detach().to("cpu", copy=True))
+        extra = trainer.save_state(tmp / "optimizer.safetensors")
+        bytes_written = wr.nbytes + (tmp / "optimizer.safetensors").stat().st_size
+        result = {"protocol": PROTOCOL_VERSION, "generation": g, "member": m, "attempt": attempt, "worker": self.w,
+                  "host": socket.gethostname(), "eval_loss": eval_loss, "train_loss": stats["loss"],
+                  "last_loss": stats["last_loss"], "tokens": stats["tokens"], "steps": steps,
+                  "position": sampler.positions, "hyper": job["hyper"], "optimizer_step": extra["step"],
+                  "finite": bool(np.isfinite(eval_loss) and np.isfinite(stats["loss"])),
+                  "weights_sha256": wr.sha256, "bytes_read": bytes_read, "bytes_written": bytes_written,
+                  "train_seconds": stats["seconds"], "eval_seconds": t_eval, "time": time.time()}
+        atomic_write_json(tmp / "result.json", result)
+        write_manifest(tmp, hashes={WEIGHTS: wr.sha256})
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m train.edt_worker", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="evolution.json", help="evolution.json of the run")
+    ap.add_argument("--worker", type=int, required=True, help="this worker's id (0, 1, ...)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
+    args = ap.parse_args(argv)
+    setup_logging(f"edt-worker-{args.worker:03d}")
+    quiet_transformers()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.threads:
+            cfg.inner.threads = args.threads
+        EDTWorker(cfg, args.worker).run()
+    except (ConfigError, ProtocolError) as e:
+        log.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
