@@ -1,7 +1,7 @@
 """EDT against DiLoCo and a single worker at equal tokens on the embedded corpus: eval loss and bytes moved.
 
     python bench/compare_edt.py                         # defaults below (~10-20 min on 2 busy cores)
-    python bench/compare_edt.py --seeds 0 1 2 --skip 1xbatch      # the numbers in docs/edt.md
+    python bench/compare_edt.py --seeds 0 1 2 --skip 1xbatch      # repeat the docs/edt.md comparison over 3 seeds
     python bench/compare_edt.py --steps 200 --H 50 --workers 4 --extra-edt edt.crossover=slerp
 
 Every run is a real simulator run (worker processes, BASE_DIR protocol) in a temp folder:
