@@ -5,9 +5,8 @@ Why a coordinator computes the outer step rather than every worker: one writer c
 delta and state, so no two processes write the same file. The coordinator is light (streaming, one model of
 memory) and can run on any host, including one of the workers'.
 
-Commit of round r + 1 (DESIGN.md invariants):
-  rounds/r+1/global/ (temp dir → manifest → rename) and outer_state.safetensors (atomic), then COMMITTED (atomic).
-A crash before COMMITTED leaves nothing a reader trusts; rerunning recomputes the same round from the same deltas.
+Validation, the streaming reduce and the commit live in train/reduce.py (shared with DiLoCoOptimizer's in-loop
+reducer); this module adds the run around them: setup, waiting with progress, evaluation, metrics, final model.
 """
 from __future__ import annotations
 
@@ -21,19 +20,15 @@ from train.config import RunConfig
 from train.data import TokenData, prepare_data
 from train.inner import evaluate
 from train.logs import make_metric_logger
-from train.model import (WEIGHTS, build_model, load_tokenizer, load_weights_into, pick_device, save_model_dir)
+from train.model import (build_model, load_tokenizer, load_weights_into, pick_device, save_model_dir)
 from train.outer import outer_step_tensor
+from train.reduce import RejectedDelta  # noqa: F401  (re-exported: tests and tools catch it from here)
+from train.reduce import (arrived, check_sidecar, commit, param_order, prune_rounds, reduce_round,
+                          validate_and_reduce)
 from train.store import (PROTOCOL_VERSION, RunPaths, atomic_publish_dir, atomic_write_json, ensure_run_manifest,
                          new_tmp_dir, read_json, read_jsonl, verify_manifest, write_manifest)
-from train.tensorio import DTYPE_BY_NAME, SequentialReader, StreamingWriter, read_header
 
 log = logging.getLogger("coordinator")
-
-
-class RejectedDelta(Exception):
-    def __init__(self, worker: int, reason: str):
-        super().__init__(f"w{worker:03d}: {reason}")
-        self.worker, self.reason = worker, reason
 
 
 def run_identity(cfg: RunConfig) -> dict:
@@ -85,12 +80,11 @@ class Coordinator:
         self.names = self._param_order(0)
 
     def _param_order(self, r: int) -> list[str]:
-        header, _ = read_header(self.paths.global_dir(r) / WEIGHTS)
-        return sorted(header, key=lambda k: header[k]["data_offsets"][0])
+        return param_order(self.paths, r)
 
     # -- waiting for deltas ---------------------------------------------------------------------------------------
     def arrived(self, r: int) -> list[int]:
-        return [w for w in range(self.cfg.outer.num_workers) if self.paths.delta_meta(r, w).is_file()]
+        return arrived(self.paths, r, self.cfg.outer.num_workers)
 
     def wait_for_deltas(self, r: int) -> list[int]:
         """Block until every worker's delta of round r arrived, or the timeout passed with >= min_workers."""
@@ -133,107 +127,26 @@ class Coordinator:
             return 0
         return int(p.get("step", 0)) if p.get("round") == r and p.get("status") == "training" else 0
 
-    # -- validation -----------------------------------------------------------------------------------------------
+    # -- validation and the outer step (train/reduce.py) ---------------------------------------------------------
     def check_sidecar(self, r: int, w: int) -> dict:
-        """Cheap checks before reading tensors: sidecar fields, round, worker, size, header shapes and dtypes."""
-        try:
-            meta = read_json(self.paths.delta_meta(r, w))
-        except (OSError, ValueError) as e:
-            raise RejectedDelta(w, f"unreadable sidecar ({e})")
-        for key in ("round", "worker", "tokens", "sha256", "bytes", "inner_steps", "loss"):
-            if key not in meta:
-                raise RejectedDelta(w, f"sidecar lacks {key!r}")
-        if meta["round"] != r:
-            raise RejectedDelta(w, f"sidecar says round {meta['round']}, expected {r}")
-        if meta["worker"] != w:
-            raise RejectedDelta(w, f"sidecar says worker {meta['worker']}, file belongs to worker {w}")
-        if meta.get("protocol") != PROTOCOL_VERSION:
-            raise RejectedDelta(w, f"protocol {meta.get('protocol')}, expected {PROTOCOL_VERSION}")
-        if not isinstance(meta["tokens"], (int, float)) or meta["tokens"] <= 0:
-            raise RejectedDelta(w, f"tokens = {meta['tokens']!r} (must be > 0)")
-        f = self.paths.delta_file(r, w)
-        if not f.is_file():
-            raise RejectedDelta(w, "sidecar present but the delta file is missing")
-        if f.stat().st_size != meta["bytes"]:
-            raise RejectedDelta(w, f"file has {f.stat().st_size} bytes, sidecar says {meta['bytes']}")
-        try:
-            header, _ = read_header(f)
-        except (ValueError, OSError) as e:
-            raise RejectedDelta(w, f"not a safetensors file ({e})")
-        expect = read_header(self.paths.global_dir(r) / WEIGHTS)[0]
-        if set(header) != set(expect):
-            diff = sorted(set(header) ^ set(expect))
-            raise RejectedDelta(w, f"tensor names differ from the global model (e.g. {diff[:3]})")
-        want = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[
-            DTYPE_BY_NAME[self.cfg.outer.delta_dtype]]
-        for name, info in header.items():
-            if info["shape"] != expect[name]["shape"]:
-                raise RejectedDelta(w, f"{name}: shape {info['shape']}, global model has {expect[name]['shape']}")
-            if info["dtype"] != want:
-                raise RejectedDelta(w, f"{name}: dtype {info['dtype']}, expected {want} (outer.delta_dtype)")
-        return meta
+        return check_sidecar(self.paths, r, w, self.cfg.outer.delta_dtype)
 
-    # -- the outer step, streaming --------------------------------------------------------------------------------
+    def _update(self, name: str, theta: torch.Tensor, grad: torch.Tensor, prev) -> tuple:
+        """The outer step of one tensor: the pure Nesterov SGD of train/outer.py; the state is the momentum."""
+        oc = self.cfg.outer
+        new, buf = outer_step_tensor(theta, grad, prev(name), oc.lr, oc.momentum, oc.nesterov)
+        return new, {name: buf}
+
+    @staticmethod
+    def _momentum_specs(name: str, dtype: torch.dtype, shape: tuple) -> dict:
+        return {name: (torch.float32, shape)}
+
     def reduce(self, r: int, workers: list[int], metas: dict[int, dict]) -> dict:
-        """Stream θ_r, m_r and the deltas tensor by tensor; write θ_{r+1}, m_{r+1} to temp files. Raises
+        """Stream θ_r, m_r and the deltas tensor by tensor; write θ_{r+1}, m_{r+1} (uncommitted). Raises
         RejectedDelta when a delta turns out non-finite or its bytes do not match the sidecar's sha256."""
-        cfg, paths = self.cfg, self.paths
-        oc = cfg.outer
+        oc = self.cfg.outer
         weights = [float(metas[w]["tokens"]) if oc.token_weighted else 1.0 for w in workers]
-        total = sum(weights)
-        g_reader = SequentialReader(paths.global_dir(r) / WEIGHTS, hash_bytes=False)
-        m_path = paths.outer_state(r)
-        m_reader = SequentialReader(m_path, hash_bytes=False) if m_path.is_file() else None
-        d_readers = {w: SequentialReader(paths.delta_file(r, w)) for w in workers}
-        names = g_reader.names_in_order
-        for w, rd in d_readers.items():
-            if rd.names_in_order != names:
-                raise RejectedDelta(w, "tensors are not stored in the global model's order")
-        specs = {n: (g_reader.dtype_of(n), tuple(g_reader.header[n]["shape"])) for n in names}
-        m_specs = {n: (torch.float32, s) for n, (_, s) in specs.items()}
-        new_dir = paths.global_dir(r + 1)
-        tmp_dir = new_tmp_dir(new_dir)
-        bytes_read = sum(p.stat().st_size for p in [g_reader.path] + [d.path for d in d_readers.values()]) + (
-            m_path.stat().st_size if m_reader else 0)
-        try:
-            for fname in ("config.json", "generation_config.json"):
-                if (paths.global_dir(r) / fname).is_file():
-                    shutil.copy2(paths.global_dir(r) / fname, tmp_dir / fname)
-            with StreamingWriter(tmp_dir / WEIGHTS, specs, {"format": "pt"}) as pw, \
-                    StreamingWriter(paths.outer_state(r + 1), m_specs, {"round": str(r + 1)}) as mw:
-                for n in names:
-                    theta = g_reader.read(n)
-                    mom = m_reader.read(n) if m_reader else None
-                    grad, ds = None, {}
-                    for w, wt in zip(workers, weights):
-                        ds[w] = d = d_readers[w].read(n)
-                        grad = d.to(torch.float32, copy=True).mul_(wt / total) if grad is None else \
-                            grad.add_(d.to(torch.float32), alpha=wt / total)
-                    # NaN/inf in any delta makes the weighted sum non-finite: one cheap screen per tensor,
-                    # the per-worker check only when it trips (a finite overflow of the sum is not a rejection).
-                    if not torch.isfinite(grad.sum()):
-                        for w in workers:
-                            if not torch.isfinite(ds[w]).all():
-                                raise RejectedDelta(w, f"{n}: non-finite values (NaN/inf)")
-                        raise RejectedDelta(workers[0], f"{n}: the averaged delta overflows float32")
-                    new, buf = outer_step_tensor(theta, grad, mom, oc.lr, oc.momentum, oc.nesterov)
-                    pw.write(n, new)
-                    mw.write(n, buf)
-                for w, rd in d_readers.items():
-                    if rd.finish() != metas[w]["sha256"]:
-                        raise RejectedDelta(w, "sha256 of the file differs from its sidecar (torn or corrupt)")
-                    rd.close()
-            write_manifest(tmp_dir, hashes={WEIGHTS: pw.sha256})
-            atomic_publish_dir(tmp_dir, new_dir)
-        except BaseException:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            paths.outer_state(r + 1).unlink(missing_ok=True)
-            raise
-        finally:
-            for rd in [g_reader, *d_readers.values()] + ([m_reader] if m_reader else []):
-                rd.close()
-        bytes_written = pw.nbytes + mw.nbytes
-        return {"bytes_read": bytes_read, "bytes_written": bytes_written}
+        return reduce_round(self.paths, r, workers, metas, weights, self._update, self._momentum_specs)
 
     # -- one round ------------------------------------------------------------------------------------------------
     def run_round(self, r: int) -> dict:
@@ -241,26 +154,10 @@ class Coordinator:
         t0 = time.perf_counter()
         workers = self.wait_for_deltas(r)
         t_wait = time.perf_counter() - t0
-        rejected: dict[int, str] = {}
-        metas: dict[int, dict] = {}
-        for w in workers:
-            try:
-                metas[w] = self.check_sidecar(r, w)
-            except RejectedDelta as e:
-                rejected[w] = e.reason
-                log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)
-        while True:
-            ok = [w for w in workers if w not in rejected]
-            if len(ok) < oc.min_workers:
-                raise RuntimeError(f"round {r}: only {len(ok)} valid deltas (min_workers = {oc.min_workers}); "
-                                   f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
-            t1 = time.perf_counter()
-            try:
-                io = self.reduce(r, ok, metas)
-                break
-            except RejectedDelta as e:
-                rejected[e.worker] = e.reason
-                log.error("round %d: rejected delta of worker %d: %s", r, e.worker, e.reason)
+        t1 = time.perf_counter()
+        ok, metas, rejected, io = validate_and_reduce(
+            paths, r, workers, delta_dtype=oc.delta_dtype, min_workers=oc.min_workers,
+            token_weighted=oc.token_weighted, update=self._update, state_specs=self._momentum_specs)
         t_reduce = time.perf_counter() - t1
         t2 = time.perf_counter()
         eval_loss = float("nan")
@@ -284,9 +181,8 @@ class Coordinator:
             "wait_s": round(t_wait, 3), "reduce_s": round(t_reduce, 3), "eval_s": round(t_eval, 3),
         }
         t3 = time.perf_counter()
-        atomic_write_json(paths.committed(r + 1), {"round": r + 1, "time": time.time(), "workers": ok,
-                                                   "missing": missing, "rejected": record["rejected"],
-                                                   "eval_loss": None if math.isnan(eval_loss) else eval_loss})
+        commit(paths, r + 1, {"workers": ok, "missing": missing, "rejected": record["rejected"],
+                              "eval_loss": None if math.isnan(eval_loss) else eval_loss})
         record["commit_s"] = round(time.perf_counter() - t3, 3)
         self.logger.log(record)
         self.cleanup(r + 1)
@@ -298,19 +194,7 @@ class Coordinator:
 
     def cleanup(self, latest: int) -> None:
         """Delete rounds older than the last `keep_rounds` committed ones (θ_0 stays: it is the run's template)."""
-        keep = self.cfg.outer.keep_rounds
-        for r in self.paths.committed_rounds():
-            if r <= latest - keep and r != 0:
-                d = self.paths.round_dir(r)
-                trash = d.with_name(f".{d.name}.deleting")
-                try:
-                    d.rename(trash)
-                    shutil.rmtree(trash, ignore_errors=True)
-                except OSError:
-                    pass
-            elif r == 0 and latest - keep >= 0:
-                # θ_0 stays: workers build the architecture from its config; its deltas can go.
-                shutil.rmtree(self.paths.deltas_dir(0), ignore_errors=True)
+        prune_rounds(self.paths, latest, self.cfg.outer.keep_rounds)
 
     # -- the whole run --------------------------------------------------------------------------------------------
     def run(self) -> dict:

@@ -1,0 +1,205 @@
+"""Validate the workers' deltas of a round, average them and write the next global model: the reduce + commit of the
+BASE_DIR protocol, shared by the coordinator process (train/coordinator.py) and the in-loop reducer of
+`DiLoCoOptimizer` (train/diloco_optimizer.py). One implementation, so both paths accept and reject the same files.
+
+The outer update itself is a callback (`update(name, θ_r, g, prev) -> (θ_{r+1}, {state key: tensor})`): the
+coordinator passes the pure Nesterov step of train/outer.py, DiLoCoOptimizer the user's torch outer optimizer.
+Everything is streamed tensor by tensor, so the reducer holds about one tensor of every file at a time.
+
+Commit of round r + 1 (DESIGN.md invariants):
+  rounds/r+1/global/ (temp dir → manifest → rename) and outer_state.safetensors (atomic), then COMMITTED (atomic).
+A crash before COMMITTED leaves nothing a reader trusts; rerunning recomputes the same round from the same deltas.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from typing import Callable
+
+import torch
+
+from train.model import WEIGHTS
+from train.store import (PROTOCOL_VERSION, RunPaths, atomic_publish_dir, atomic_write_json, new_tmp_dir, read_json,
+                         write_manifest)
+from train.tensorio import DTYPE_BY_NAME, SequentialReader, StreamingWriter, read_header
+
+log = logging.getLogger("reduce")
+
+# update(name, theta_r, averaged pseudo-gradient, prev) -> (theta_{r+1}, {state key: tensor});
+# prev(key) is that key's tensor in outer_state of round r, or None.
+Update = Callable[[str, torch.Tensor, torch.Tensor, Callable[[str], "torch.Tensor | None"]],
+                  "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+# state_specs(name, dtype, shape) -> {state key: (dtype, shape)}: what update returns for that tensor, in order.
+StateSpecs = Callable[[str, torch.dtype, tuple], "dict[str, tuple[torch.dtype, tuple]]"]
+
+
+class RejectedDelta(Exception):
+    def __init__(self, worker: int, reason: str):
+        super().__init__(f"w{worker:03d}: {reason}")
+        self.worker, self.reason = worker, reason
+
+
+def param_order(paths: RunPaths, r: int) -> list[str]:
+    """Tensor names of the global model of round r in file order (deltas must be written in this order)."""
+    header, _ = read_header(paths.global_dir(r) / WEIGHTS)
+    return sorted(header, key=lambda k: header[k]["data_offsets"][0])
+
+
+def arrived(paths: RunPaths, r: int, num_workers: int) -> list[int]:
+    """Workers whose delta of round r is published (its sidecar marks it complete)."""
+    return [w for w in range(num_workers) if paths.delta_meta(r, w).is_file()]
+
+
+def check_sidecar(paths: RunPaths, r: int, w: int, delta_dtype: str) -> dict:
+    """Cheap checks before reading tensors: sidecar fields, round, worker, size, header shapes and dtypes."""
+    try:
+        meta = read_json(paths.delta_meta(r, w))
+    except (OSError, ValueError) as e:
+        raise RejectedDelta(w, f"unreadable sidecar ({e})")
+    for key in ("round", "worker", "tokens", "sha256", "bytes", "inner_steps", "loss"):
+        if key not in meta:
+            raise RejectedDelta(w, f"sidecar lacks {key!r}")
+    if meta["round"] != r:
+        raise RejectedDelta(w, f"sidecar says round {meta['round']}, expected {r}")
+    if meta["worker"] != w:
+        raise RejectedDelta(w, f"sidecar says worker {meta['worker']}, file belongs to worker {w}")
+    if meta.get("protocol") != PROTOCOL_VERSION:
+        raise RejectedDelta(w, f"protocol {meta.get('protocol')}, expected {PROTOCOL_VERSION}")
+    if not isinstance(meta["tokens"], (int, float)) or meta["tokens"] <= 0:
+        raise RejectedDelta(w, f"tokens = {meta['tokens']!r} (must be > 0)")
+    f = paths.delta_file(r, w)
+    if not f.is_file():
+        raise RejectedDelta(w, "sidecar present but the delta file is missing")
+    if f.stat().st_size != meta["bytes"]:
+        raise RejectedDelta(w, f"file has {f.stat().st_size} bytes, sidecar says {meta['bytes']}")
+    try:
+        header, _ = read_header(f)
+    except (ValueError, OSError) as e:
+        raise RejectedDelta(w, f"not a safetensors file ({e})")
+    expect = read_header(paths.global_dir(r) / WEIGHTS)[0]
+    if set(header) != set(expect):
+        diff = sorted(set(header) ^ set(expect))
+        raise RejectedDelta(w, f"tensor names differ from the global model (e.g. {diff[:3]})")
+    want = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[DTYPE_BY_NAME[delta_dtype]]
+    for name, info in header.items():
+        if info["shape"] != expect[name]["shape"]:
+            raise RejectedDelta(w, f"{name}: shape {info['shape']}, global model has {expect[name]['shape']}")
+        if info["dtype"] != want:
+            raise RejectedDelta(w, f"{name}: dtype {info['dtype']}, expected {want} (the run's delta dtype)")
+    return meta
+
+
+def reduce_round(paths: RunPaths, r: int, workers: list[int], metas: dict[int, dict], weights: list[float],
+                 update: Update, state_specs: StateSpecs) -> dict:
+    """Stream θ_r, the outer state of round r and the deltas tensor by tensor; publish rounds/r+1/global/ and write
+    outer_state of r + 1 (not yet committed: the caller writes COMMITTED). Raises RejectedDelta when a delta turns
+    out non-finite or its bytes do not match the sidecar's sha256; nothing of round r + 1 is left behind then."""
+    total = sum(weights)
+    g_reader = SequentialReader(paths.global_dir(r) / WEIGHTS, hash_bytes=False)
+    m_path = paths.outer_state(r)
+    m_reader = SequentialReader(m_path, hash_bytes=False) if m_path.is_file() else None
+    d_readers = {w: SequentialReader(paths.delta_file(r, w)) for w in workers}
+
+    def prev(key: str) -> torch.Tensor | None:
+        return m_reader.read(key) if m_reader is not None and key in m_reader.header else None
+
+    names = g_reader.names_in_order
+    new_dir = paths.global_dir(r + 1)
+    tmp_dir = None
+    try:
+        for w, rd in d_readers.items():
+            if rd.names_in_order != names:
+                raise RejectedDelta(w, "tensors are not stored in the global model's order")
+        specs = {n: (g_reader.dtype_of(n), tuple(g_reader.header[n]["shape"])) for n in names}
+        m_specs = {k: v for n, (dt, s) in specs.items() for k, v in state_specs(n, dt, s).items()}
+        tmp_dir = new_tmp_dir(new_dir)
+        bytes_read = sum(p.stat().st_size for p in [g_reader.path] + [d.path for d in d_readers.values()]) + (
+            m_path.stat().st_size if m_reader else 0)
+        for fname in ("config.json", "generation_config.json"):
+            if (paths.global_dir(r) / fname).is_file():
+                shutil.copy2(paths.global_dir(r) / fname, tmp_dir / fname)
+        with StreamingWriter(tmp_dir / WEIGHTS, specs, {"format": "pt"}) as pw, \
+                StreamingWriter(paths.outer_state(r + 1), m_specs, {"round": str(r + 1)}) as mw:
+            for n in names:
+                theta = g_reader.read(n)
+                grad, ds = None, {}
+                for w, wt in zip(workers, weights):
+                    ds[w] = d = d_readers[w].read(n)
+                    grad = d.to(torch.float32, copy=True).mul_(wt / total) if grad is None else \
+                        grad.add_(d.to(torch.float32), alpha=wt / total)
+                # NaN/inf in any delta makes the weighted sum non-finite: one cheap screen per tensor,
+                # the per-worker check only when it trips (a finite overflow of the sum is not a rejection).
+                if not torch.isfinite(grad.sum()):
+                    for w in workers:
+                        if not torch.isfinite(ds[w]).all():
+                            raise RejectedDelta(w, f"{n}: non-finite values (NaN/inf)")
+                    raise RejectedDelta(workers[0], f"{n}: the averaged delta overflows float32")
+                new, state = update(n, theta, grad, prev)
+                pw.write(n, new)
+                for key, t in state.items():
+                    mw.write(key, t)
+            for w, rd in d_readers.items():
+                if rd.finish() != metas[w]["sha256"]:
+                    raise RejectedDelta(w, "sha256 of the file differs from its sidecar (torn or corrupt)")
+                rd.close()
+        write_manifest(tmp_dir, hashes={WEIGHTS: pw.sha256})
+        atomic_publish_dir(tmp_dir, new_dir)
+    except BaseException:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        paths.outer_state(r + 1).unlink(missing_ok=True)
+        raise
+    finally:
+        for rd in [g_reader, *d_readers.values()] + ([m_reader] if m_reader else []):
+            rd.close()
+    return {"bytes_read": bytes_read, "bytes_written": pw.nbytes + mw.nbytes}
+
+
+def validate_and_reduce(paths: RunPaths, r: int, workers: list[int], *, delta_dtype: str, min_workers: int,
+                        token_weighted: bool, update: Update, state_specs: StateSpecs,
+                        ) -> tuple[list[int], dict[int, dict], dict[int, str], dict]:
+    """Check every arrived delta, drop the rejected ones (logged with the reason) and reduce the rest; a delta that
+    fails only while streaming (NaN, sha256) is dropped and the reduce redone without it.
+    Returns (workers used, their sidecars, {worker: rejection reason}, I/O byte counts)."""
+    rejected: dict[int, str] = {}
+    metas: dict[int, dict] = {}
+    for w in workers:
+        try:
+            metas[w] = check_sidecar(paths, r, w, delta_dtype)
+        except RejectedDelta as e:
+            rejected[w] = e.reason
+            log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)
+    while True:
+        ok = [w for w in workers if w not in rejected]
+        if len(ok) < min_workers:
+            raise RuntimeError(f"round {r}: only {len(ok)} valid deltas (min_workers = {min_workers}); "
+                               f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
+        weights = [float(metas[w]["tokens"]) if token_weighted else 1.0 for w in ok]
+        try:
+            io = reduce_round(paths, r, ok, metas, weights, update, state_specs)
+            return ok, metas, rejected, io
+        except RejectedDelta as e:
+            rejected[e.worker] = e.reason
+            log.error("round %d: rejected delta of worker %d: %s", r, e.worker, e.reason)
+
+
+def commit(paths: RunPaths, r: int, record: dict) -> None:
+    """The atomic marker that makes round r (global model + outer state) trusted."""
+    atomic_write_json(paths.committed(r), {"round": r, "time": time.time(), **record})
+
+
+def prune_rounds(paths: RunPaths, latest: int, keep: int) -> None:
+    """Delete rounds older than the last `keep` committed ones (θ_0 stays: it is the run's template)."""
+    for r in paths.committed_rounds():
+        if r <= latest - keep and r != 0:
+            d = paths.round_dir(r)
+            trash = d.with_name(f".{d.name}.deleting")
+            try:
+                d.rename(trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            except OSError:
+                pass
+        elif r == 0 and latest - keep >= 0:
+            # θ_0 stays: workers build the architecture from its config; its deltas can go.
+            shutil.rmtree(paths.deltas_dir(0), ignore_errors=True)
