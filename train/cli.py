@@ -57,13 +57,14 @@ def load_from_args(args: argparse.Namespace) -> tuple[RunConfig, list[str]]:
 def run_main(fn: Callable[[], int | None], name: str) -> None:
     """Run a script's body: config/protocol errors print one clear line (exit 2), Ctrl-C exits 130."""
     from train.logs import setup_logging
+    from train.merge_methods import MergeError
     from train.store import ProtocolError
     from train.procs import WorkerDied
 
     log = setup_logging(name)
     try:
         sys.exit(fn() or 0)
-    except (ConfigError, ProtocolError, FileNotFoundError) as e:
+    except (ConfigError, ProtocolError, FileNotFoundError, MergeError) as e:
         log.error("%s", e)
         sys.exit(2)
     except WorkerDied as e:

@@ -115,6 +115,10 @@ class InnerConfig:
     compile: bool = doc(False, "torch.compile the model for the inner loop.")
     device: str = doc("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
     threads: int = doc(0, "torch CPU threads per worker process; 0 = let torch decide.")
+    nproc_per_node: int = doc(1, "Processes per worker: > 1 starts each worker as a torchrun group (one process per "
+                                 "GPU; gloo on CPU) that splits total_batch_size over its processes.")
+    parallel: str = doc("ddp", "How a multi-process worker holds the model: ddp (a copy per process) or fsdp (FSDP2 "
+                               "fully_shard: parameters, gradients and AdamW state sharded over the processes).")
 
     def validate(self, p: str) -> None:
         _check_range(self, p, "lr", 0.0, lo_open=True)
@@ -128,9 +132,15 @@ class InnerConfig:
         _check_range(self, p, "total_batch_size", 1)
         _check_range(self, p, "grad_clip", 0.0)
         _check_range(self, p, "threads", 0)
+        _check_range(self, p, "nproc_per_node", 1)
+        _check_choice(self, p, "parallel", ("ddp", "fsdp"))
         if self.total_batch_size % self.per_device_batch_size:
             raise _bad(p + "total_batch_size", self.total_batch_size,
                        f"must be a multiple of {p}per_device_batch_size ({self.per_device_batch_size})")
+        if self.total_batch_size % (self.per_device_batch_size * self.nproc_per_node):
+            raise _bad(p + "total_batch_size", self.total_batch_size,
+                       f"must split over {p}nproc_per_node = {self.nproc_per_node} processes: a multiple of "
+                       f"{self.per_device_batch_size * self.nproc_per_node} ({p}per_device_batch_size x nproc)")
         if str(self.precision) not in PRECISION_ALIASES:
             raise _bad(p + "precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
         self.precision = PRECISION_ALIASES[str(self.precision)]
@@ -195,12 +205,17 @@ class EDTConfig:
     elitism: int = doc(1, "Best members carried to the next generation (paired with themselves).")
     tournament_size: int = doc(3, "Contestants per tournament in parent selection.")
     selection: str = doc("tournament", "tournament or rank.")
-    crossover: str = doc("outer_sgd", "outer_sgd (pairwise outer step), linear or slerp.")
+    mode: str = doc("pretrain", "pretrain (evolutionary pretraining on data.*) or evomerge (post-training: evolve "
+                                "merges of the fine-tunes in initial_population, mutate by SFT, fitness from "
+                                "evomerge.tasks; see docs/evomerge.md).")
+    crossover: str = doc("outer_sgd", "outer_sgd (pairwise outer step), linear or slerp (pretrain mode; evomerge "
+                                      "evolves its merge method in the DNA).")
     mutation_steps: int = doc(0, "Inner AdamW steps of one mutation (per member and generation); 0 = "
                                  "outer.local_steps.")
     fitness: str = doc("inverse_loss", "Fitness of a member from its eval loss: inverse_loss (1/loss, the "
-                                       "prototype's), neg_loss, or `module:function` (called with the member's "
-                                       "result dict, returns a float; higher is fitter).")
+                                       "prototype's), neg_loss, tasks (evomerge: the weighted task score), or "
+                                       "`module:function` (called with the member's result dict, returns a float; "
+                                       "higher is fitter).")
     genes: dict = doc({"inner_lr": [0.5, 2.0], "outer_lr": [0.5, 1.0], "outer_momentum": [0.0, 0.9],
                        "data_mix": [0.0, 0.25]},
                       "The DNA: gene -> [low, high]. inner_lr multiplies inner.lr (log scale); outer_lr and "
@@ -236,9 +251,10 @@ class EDTConfig:
         _check_range(self, p, "max_attempts", 1)
         _check_choice(self, p, "selection", ("tournament", "rank"))
         _check_choice(self, p, "crossover", ("outer_sgd", "linear", "slerp"))
-        if self.fitness not in ("inverse_loss", "neg_loss") and not (
+        _check_choice(self, p, "mode", ("pretrain", "evomerge"))
+        if self.fitness not in ("inverse_loss", "neg_loss", "tasks") and not (
                 self.fitness.count(":") == 1 and all(self.fitness.split(":"))):
-            raise _bad(p + "fitness", self.fitness, "must be inverse_loss, neg_loss or module:function")
+            raise _bad(p + "fitness", self.fitness, "must be inverse_loss, neg_loss, tasks or module:function")
         for i, m in enumerate(self.initial_population):
             if not isinstance(m, str) or not m:
                 raise _bad(f"{p}initial_population[{i}]", m, "must be a non-empty string (hub id or path)")
@@ -256,6 +272,90 @@ class EDTConfig:
             if not vals or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
                                for v in vals):
                 raise _bad(f"{p}t_curves.{filt}", curve, "must be a number in [0, 1] or a non-empty list of them")
+
+
+MERGE_METHODS = ("linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties")
+BASE_METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")  # need evomerge.base_model (task vectors)
+
+
+def _check_span(obj: Any, prefix: str, name: str, lo: float, hi: float) -> None:
+    v = getattr(obj, name)
+    if (not isinstance(v, list) or len(v) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, float))
+                                                       for x in v) or not lo <= v[0] <= v[1] <= hi):
+        raise _bad(prefix + name, v, f"must be [low, high] with {lo} <= low <= high <= {hi}")
+
+
+@dataclass(kw_only=True)
+class EvoMergeConfig:
+    base_model: str = doc("", "The model the fine-tunes started from (hub id or directory): task_arithmetic, ties "
+                              "and dare merge the task vectors (model - base). Empty: only linear and slerp.")
+    methods: list = doc([], "Merge methods the `method` gene chooses from (linear, slerp, task_arithmetic, ties, "
+                            "dare_linear, dare_ties); empty = linear and slerp, plus the task-vector methods when "
+                            "base_model is set.")
+    curve_points: int = doc(5, "Points of each evolved slerp t-curve (self_attn, mlp; the prototype's fixed curves "
+                               "had 5); the rest of the tensors get one evolved t.")
+    weight: list = doc([0.2, 0.8], "Range of the `weight` gene: the first parent's weight w (the second's 1 - w) "
+                                   "in linear / task-vector merges.")
+    density: list = doc([0.3, 1.0], "Range of the `density` gene: fraction of each task vector kept by ties / dare.")
+    scale: list = doc([0.5, 1.5], "Range of the `scale` gene: lambda, the factor on the merged task vector.")
+    datasets: dict = doc({}, "SFT data of the mutation: {name: source}, a source being task:addition / "
+                             "task:reverse / task:sort, a .jsonl/.json file of chat `messages` or prompt/answer rows, "
+                             "or a `datasets` hub name; the DNA has one mix gene per name.")
+    tasks: list = doc([], "Fitness: [{name, data, metric, weight, items}], metric = exact_match (greedy), sft_loss "
+                          "or module:function; fitness = the weighted sum (sft_loss counts negatively).")
+    sft_items: int = doc(2000, "Training items read per SFT dataset.")
+    max_length: int = doc(64, "Token limit of one SFT example (prompt + answer).")
+    max_new_tokens: int = doc(16, "Greedy generation limit of exact_match evaluation.")
+    lora: dict = doc({}, "LoRA for the SFT mutation (needs peft), e.g. {\"r\": 8, \"alpha\": 16}; merged into the "
+                         "weights after each mutation. {} = full fine-tuning (the default for small models).")
+    train_initial: bool = doc(False, "Also mutate (SFT) generation 0; off: the fine-tunes are evaluated as given, "
+                                     "so the first generation is the baseline the merges are measured against.")
+
+    def validate(self, p: str) -> None:
+        for i, m in enumerate(self.methods):
+            if m not in MERGE_METHODS:
+                raise _bad(f"{p}methods[{i}]", m, f"must be one of {', '.join(MERGE_METHODS)}")
+            if m in BASE_METHODS and not self.base_model:
+                raise _bad(f"{p}methods[{i}]", m, f"merges task vectors: set {p}base_model to the model the "
+                                                  "fine-tunes started from")
+        _check_range(self, p, "curve_points", 1)
+        _check_span(self, p, "weight", 0.0, 1.0)
+        _check_span(self, p, "density", 0.0, 1.0)
+        if self.density[0] <= 0:
+            raise _bad(p + "density", self.density, "low must be > 0 (density 0 keeps nothing)")
+        _check_span(self, p, "scale", 0.0, 10.0)
+        for name, src in self.datasets.items():
+            if not name.replace("_", "a").replace("-", "a").isalnum() or not isinstance(src, str) or not src:
+                raise _bad(f"{p}datasets.{name}", src, "names must be [A-Za-z0-9_-]+ and sources non-empty strings")
+        for i, t in enumerate(self.tasks):
+            where = f"{p}tasks[{i}]"
+            if not isinstance(t, dict) or not {"name", "data"} <= set(t):
+                raise _bad(where, t, "must be an object with at least name and data, e.g. {\"name\": \"add\", "
+                                     "\"data\": \"task:addition\", \"metric\": \"exact_match\"}")
+            unknown = set(t) - {"name", "data", "metric", "weight", "items"}
+            if unknown:
+                raise _bad(where, t, f"unknown key {sorted(unknown)[0]!r}; allowed: name, data, metric, weight, "
+                                     "items")
+            metric = t.get("metric", "exact_match")
+            if metric not in ("exact_match", "sft_loss") and not (metric.count(":") == 1 and all(metric.split(":"))):
+                raise _bad(where + ".metric", metric, "must be exact_match, sft_loss or module:function")
+            if isinstance(t.get("weight", 1.0), bool) or not isinstance(t.get("weight", 1.0), (int, float)):
+                raise _bad(where + ".weight", t.get("weight"), "must be a number")
+            if not isinstance(t.get("items", 64), int) or t.get("items", 64) < 1:
+                raise _bad(where + ".items", t.get("items"), "must be an integer >= 1")
+        _check_range(self, p, "sft_items", 1)
+        _check_range(self, p, "max_length", 8)
+        _check_range(self, p, "max_new_tokens", 1)
+        unknown = set(self.lora) - {"r", "alpha", "dropout", "target_modules"}
+        if unknown:
+            raise _bad(p + "lora", self.lora, f"unknown key {sorted(unknown)[0]!r}; allowed: r, alpha, dropout, "
+                                              "target_modules")
+
+    @property
+    def merge_methods(self) -> list[str]:
+        if self.methods:
+            return list(self.methods)
+        return ["linear", "slerp"] + (list(BASE_METHODS) if self.base_model else [])
 
 
 @dataclass(kw_only=True)
@@ -280,6 +380,7 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     edt: EDTConfig = field(default_factory=EDTConfig)
+    evomerge: EvoMergeConfig = field(default_factory=EvoMergeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Where the config came from (not a key in the file): relative paths resolve against it.
     source: str = field(default="<defaults>", metadata={"internal": True})
@@ -293,6 +394,13 @@ class RunConfig:
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
                 sub.validate(f.name + ".")
+        if self.edt.mode == "evomerge":
+            if not self.edt.initial_population:
+                raise _bad("edt.initial_population", [], "evomerge needs the fine-tuned models to merge (hub ids "
+                                                         "or directories), at least 2")
+            if not self.evomerge.tasks:
+                raise _bad("evomerge.tasks", [], "evomerge needs fitness tasks, e.g. [{\"name\": \"add\", "
+                                                 "\"data\": \"task:addition\", \"metric\": \"exact_match\"}]")
 
     # -- derived values -------------------------------------------------------------------------------------------
     @property
@@ -419,7 +527,7 @@ def _flatten(raw: dict, prefix: str = "", out: dict[str, Any] | None = None) -> 
 
 
 _SECTIONS = {f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.type) or
-             f.name in ("model", "data", "inner", "outer", "eval", "edt", "logging")}
+             f.name in ("model", "data", "inner", "outer", "eval", "edt", "evomerge", "logging")}
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -492,6 +600,9 @@ class Machine:
     setup: str | None = doc(None, "A shell line run before the worker, e.g. `source /share/venv/bin/activate`.")
     gpus: int | list | None = doc(None, "Worker processes on that host, one per GPU: N (CUDA_VISIBLE_DEVICES=0..N-1) "
                                         "or a list of device ids such as [0, 2]; default: 1 process, devices as is.")
+    procs_per_worker: int | None = doc(None, "Processes per worker on that host (a torchrun group, one per GPU); "
+                                              "with `gpus`, each worker gets this many of them; default: "
+                                              "inner.nproc_per_node of the run.")
     name: str | None = doc(None, "Label used in logs and status; default: host[:port].")
 
     @property
@@ -551,6 +662,13 @@ def load_machines(path: str | os.PathLike) -> list[Machine]:
             raise ConfigError(f"{where}: port = {m.port}: must be 1..65535")
         if isinstance(m.gpus, int) and m.gpus < 1:
             raise ConfigError(f"{where}: gpus = {m.gpus}: must be >= 1")
+        if m.procs_per_worker is not None:
+            if m.procs_per_worker < 1:
+                raise ConfigError(f"{where}: procs_per_worker = {m.procs_per_worker}: must be >= 1")
+            if m.gpu_ids is not None and len(m.gpu_ids) % m.procs_per_worker:
+                raise ConfigError(f"{where}: gpus = {json.dumps(m.gpus)} does not split into workers of "
+                                  f"procs_per_worker = {m.procs_per_worker} GPUs: list a multiple of "
+                                  f"{m.procs_per_worker} devices")
         if not m.python or m.python.startswith("-"):
             raise ConfigError(f"{where}: python = {json.dumps(m.python)}: must be an interpreter name or path")
         if m.workdir is not None and not m.workdir:

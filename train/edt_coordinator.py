@@ -34,9 +34,12 @@ log = logging.getLogger("edt-coordinator")
 
 def run_identity(cfg: RunConfig) -> dict:
     """What may not change when an EDT run is resumed (generations, genes, selection, lrs may)."""
-    return {"strategy": "edt", "model": cfg.model.name, "initial_population": list(cfg.edt.initial_population),
-            "tokenizer": cfg.model.tokenizer, "dataset": cfg.data.dataset, "fake_data": cfg.data.fake_data,
-            "seq_length": cfg.data.seq_length, "population": population_size(cfg), "seed": cfg.seed}
+    ident = {"strategy": "edt", "model": cfg.model.name, "initial_population": list(cfg.edt.initial_population),
+             "tokenizer": cfg.model.tokenizer, "dataset": cfg.data.dataset, "fake_data": cfg.data.fake_data,
+             "seq_length": cfg.data.seq_length, "population": population_size(cfg), "seed": cfg.seed}
+    if cfg.edt.mode == "evomerge":  # (pretraining runs keep the identity they always had)
+        ident.update(mode="evomerge", base_model=cfg.evomerge.base_model, tasks=cfg.evomerge.tasks)
+    return ident
 
 
 class EDTCoordinator:
@@ -60,8 +63,36 @@ class EDTCoordinator:
             raise ProtocolError(f"{paths.root} holds a DiLoCo run: give the EDT run another project_name")
         ensure_run_manifest(paths, run_identity(cfg))
         atomic_write_json(paths.config_json, cfg.to_dict())
-        self.tokenizer = load_tokenizer(cfg) if not cfg.data.fake_data or cfg.model.tokenizer else None
         latest = paths.latest_generation()
+        if cfg.edt.mode == "evomerge":
+            self._setup_evomerge(latest)
+        else:
+            self._setup_pretrain(latest)
+        done = read_json(paths.done) if paths.done.is_file() else None
+        if done and done.get("generations", 0) < self.G:
+            paths.done.unlink()  # asked for more generations: the workers must stay
+        if latest is None:
+            write_initial_population(cfg, paths)
+            write_committed(paths, 0, {"population": self.P, "bytes_read": 0, "bytes_written": 0})
+        self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
+        self._ready = True
+
+    def _setup_evomerge(self, latest: int | None) -> None:
+        """Post-training: the fine-tunes must be mergeable (one architecture, vocabulary and set of shapes)."""
+        from train.evomerge import check_population
+        from train.evomerge_mutate import load_sft_tokenizer
+
+        if latest is None:
+            info = check_population(self.cfg)
+            log.info("EvoMerge: %d models of one architecture (%s tensors), methods %s",
+                     len(set(self.cfg.edt.initial_population)), len(info.get("names", [])) or "?",
+                     ", ".join(self.cfg.evomerge.merge_methods))
+        self.tokenizer = load_sft_tokenizer(self.cfg)
+
+    def _setup_pretrain(self, latest: int | None) -> None:
+        """Pretraining: tokenize the data once (memory-mapped by every worker), check it suits the population."""
+        cfg, paths = self.cfg, self.paths
+        self.tokenizer = load_tokenizer(cfg) if not cfg.data.fake_data or cfg.model.tokenizer else None
         vocab = None
         if latest is None:
             probe = build_model(cfg, (cfg.edt.initial_population or [cfg.model.name])[0])
@@ -77,28 +108,21 @@ class EDTCoordinator:
         for m in range(self.P):
             data.shard(m, self.P)  # fail now, clearly, if the data is too small for the population
         data.eval_windows(cfg.eval.batches * cfg.eval.batch_size)
-        done = read_json(paths.done) if paths.done.is_file() else None
-        if done and done.get("generations", 0) < self.G:
-            paths.done.unlink()  # asked for more generations: the workers must stay
-        if latest is None:
-            write_initial_population(cfg, paths)
-            write_committed(paths, 0, {"population": self.P, "bytes_read": 0, "bytes_written": 0})
-        self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
-        self._ready = True
 
     # -- waiting for the members ----------------------------------------------------------------------------------
     def wait_results(self, g: int) -> None:
         """Block until every member of generation g is published; re-queue jobs whose lease expired."""
         from tqdm import tqdm
 
-        P, S, paths = self.P_of(g), self.S, self.paths
-        bar = tqdm(total=P * S, desc=f"generation {g + 1}/{self.G} mutation steps", unit="step", leave=False,
+        P, paths = self.P_of(g), self.paths
+        steps = [int(load_job(paths, g, m)["steps"]) for m in range(P)]
+        bar = tqdm(total=sum(steps), desc=f"generation {g + 1}/{self.G} mutation steps", unit="step", leave=False,
                    disable=not self.progress, dynamic_ncols=True)
         next_lease_check = 0.0
         while True:
             self.monitor()
             done = {m for m in range(P) if paths.has_result(g, m)}
-            bar.n = min(P * S, len(done) * S + self._running_steps(g, done))
+            bar.n = min(sum(steps), sum(steps[m] for m in done) + self._running_steps(g, done))
             bar.set_postfix_str(f"members {len(done)}/{P}")
             if len(done) == P:
                 break
@@ -164,6 +188,8 @@ class EDTCoordinator:
             genome = {**mb.genome, "fitness": mb.fitness if math.isfinite(mb.fitness) else None,
                       "eval_loss": mb.result.get("eval_loss"), "train_loss": mb.result.get("train_loss"),
                       "tokens": mb.result.get("tokens"), "path": paths.rel(mb.dir)}
+            if "scores" in mb.result:  # EvoMerge: per-task scores, kept in the lineage for the report
+                genome["scores"] = mb.result["scores"]
             if mb.dir.is_dir():
                 atomic_write_json(paths.genome(g, mb.m), genome)
             if mb.id not in logged:
@@ -201,6 +227,8 @@ class EDTCoordinator:
             "bytes_total": (prev[-1].get("bytes_total", 0) if prev else 0) + w_bytes + c_bytes,
             "crossover_s": commit.get("crossover_s"),
             "requeued": sum(stale_count(self.paths, g, mb.m) for mb in members),
+            **({"scores": {f"m{mb.m:03d}": mb.result.get("scores") for mb in members}}
+               if any("scores" in mb.result for mb in members) else {}),
         }
 
     # -- the next generation ---------------------------------------------------------------------------------------
@@ -305,8 +333,25 @@ class EDTCoordinator:
             self.tokenizer.save_pretrained(str(tmp))
         write_manifest(tmp)
         atomic_publish_dir(tmp, paths.final)
+        if self.cfg.edt.mode == "evomerge":
+            self.write_report(best.id)
         atomic_write_json(paths.done, {"generations": g + 1, "best": best.id, "time": time.time()})
         log.info("final model (%s, eval loss %s) in %s", best.id, _fmt(best.result.get("eval_loss")), paths.final)
+
+
+    def write_report(self, final_id: str) -> None:
+        """EvoMerge: per-task scores of the parents and of the final member (evomerge_report.md/.json/.png)."""
+        from train.evomerge import plot_report, report, report_markdown
+        from train.lineage import load_lineage
+        from train.store import atomic_write_bytes
+
+        rep = report(load_lineage(self.paths.root), final_id)
+        atomic_write_json(self.paths.root / "evomerge_report.json", rep)
+        md = report_markdown(rep)
+        atomic_write_bytes(self.paths.root / "evomerge_report.md", md.encode())
+        if self.cfg.logging.plot:
+            plot_report(rep, self.paths.root / "evomerge_report.png", title=self.cfg.project_name)
+        log.info("EvoMerge report (%s):\n%s", self.paths.root / "evomerge_report.md", md)
 
 
 def _fmt(x) -> str:
@@ -315,6 +360,12 @@ def _fmt(x) -> str:
 
 def config_summary(cfg: RunConfig) -> str:
     ec = cfg.edt
+    if ec.mode == "evomerge":
+        em = cfg.evomerge
+        return (f"{cfg.project_name}: EvoMerge of {len(set(ec.initial_population))} models, population "
+                f"{population_size(cfg)} x {ec.max_generations} generations, methods {', '.join(em.merge_methods)}, "
+                f"SFT {steps_per_mutation(cfg)} steps on {sorted(em.datasets) or 'nothing'}, fitness "
+                f"{[t['name'] for t in em.tasks]}, {cfg.outer.num_workers} workers -> {cfg.run_dir}")
     return (f"{cfg.project_name}: EDT population {population_size(cfg)} x {ec.max_generations} generations x "
             f"{steps_per_mutation(cfg)} steps, {cfg.outer.num_workers} workers, crossover {ec.crossover}, "
             f"selection {ec.selection}, genes {sorted(ec.genes) or 'none'}, model {cfg.model.name} -> {cfg.run_dir}")

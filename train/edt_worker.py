@@ -100,6 +100,41 @@ class MixSampler:
         return {"own": self.own.position, "mix": self.mixed.position}
 
 
+class PretrainMutation:
+    """Mutation + evaluation of evolutionary pretraining: `steps` inner AdamW steps with the DNA's lr and data mix on
+    the member's shard (inheriting its first parent's AdamW state), then the loss on the run's held-out windows."""
+
+    def __init__(self, cfg: RunConfig, paths: EDTPaths, device: torch.device):
+        self.cfg, self.paths, self.device = cfg, paths, device
+        self.data = TokenData.open(find_data(cfg), cfg.data.seq_length, cfg.data.eval_fraction)
+        self.eval_windows = torch.from_numpy(self.data.eval_windows(cfg.eval.batches * cfg.eval.batch_size))
+
+    def __call__(self, model, job: dict, g: int, m: int, on_step, tmp) -> dict:
+        cfg, paths = self.cfg, self.paths
+        # The job's hyperparameters: the DNA's lr on the run's schedule (warmup once, cosine over all generations).
+        jc = copy.deepcopy(cfg)
+        jc.inner.lr = float(job["hyper"]["inner_lr"])
+        jc.inner.total_steps = int(job["schedule_total"])
+        trainer = InnerTrainer(jc, model, self.device)
+        bytes_read = 0
+        if job.get("optimizer_from"):
+            opt = paths.root / job["optimizer_from"]
+            trainer.load_state(opt, {})
+            bytes_read += opt.stat().st_size
+        trainer.step = int(job["schedule_step"])
+        pos = job["position"]
+        sampler = MixSampler(self.data, m, int(job["population"]), cfg.seed, int(pos["own"]), int(pos["mix"]),
+                             float(job["hyper"]["data_mix"]))
+        stats = trainer.train_steps(sampler.next_batch, int(job["steps"]), on_step)
+        t0 = time.perf_counter()
+        eval_loss = evaluate(model, self.eval_windows, cfg.eval.batch_size, self.device, cfg.inner.precision)
+        extra = trainer.save_state(tmp / "optimizer.safetensors")
+        return {"eval_loss": eval_loss, "train_loss": stats["loss"], "last_loss": stats["last_loss"],
+                "tokens": stats["tokens"], "position": sampler.positions, "optimizer_step": extra["step"],
+                "train_seconds": stats["seconds"], "eval_seconds": time.perf_counter() - t0,
+                "bytes_read": bytes_read, "bytes_written": (tmp / "optimizer.safetensors").stat().st_size}
+
+
 class EDTWorker:
     def __init__(self, cfg: RunConfig, worker_id: int):
         if worker_id < 0:
@@ -139,9 +174,12 @@ class EDTWorker:
         if run.get("identity", {}).get("strategy") != "edt":
             raise ProtocolError(f"{paths.root} is not an EDT run (a DiLoCo run?): use another project_name")
         self.device = pick_device(cfg.inner.device)
-        self.data = TokenData.open(find_data(cfg), cfg.data.seq_length, cfg.data.eval_fraction)
-        self.eval_windows = torch.from_numpy(self.data.eval_windows(cfg.eval.batches * cfg.eval.batch_size))
-        log.info("EDT worker %d on %s, device %s", self.w, socket.gethostname(), self.device)
+        if cfg.edt.mode == "evomerge":
+            from train.evomerge_mutate import EvoMergeMutation
+            self.mutation = EvoMergeMutation(cfg, self.device)
+        else:
+            self.mutation = PretrainMutation(cfg, paths, self.device)
+        log.info("EDT worker %d (%s) on %s, device %s", self.w, cfg.edt.mode, socket.gethostname(), self.device)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -209,15 +247,15 @@ class EDTWorker:
             with LeaseKeeper(paths, g, m, attempt, cfg.edt.job_lease_s / 4) as lease:
                 job = read_json(paths.job_json(g, m))
                 log.info("job g%d/m%d (attempt %s): %d steps, genes %s", g, m, attempt, job["steps"],
-                         {k: round(v, 5) for k, v in job["hyper"].items()})
+                         {k: round(v, 5) if isinstance(v, float) else v for k, v in job["hyper"].items()})
                 tmp = tmp_member_dir(paths, g, m, attempt)
                 result = self._mutate_and_evaluate(g, m, attempt, job, lease, tmp)
                 lease.check()
                 published = publish_once(tmp, paths.member_dir(g, m))
             if published:
                 tmp = None
-                log.info("job g%d/m%d done: eval loss %.4f, train loss %.4f", g, m, result["eval_loss"],
-                         result["train_loss"])
+                log.info("job g%d/m%d done: eval loss %.4f, train loss %s", g, m, result["eval_loss"],
+                         "-" if result["train_loss"] is None else f"{result['train_loss']:.4f}")
             else:
                 log.warning("job g%d/m%d was already published by another attempt: ours dropped", g, m)
         finally:
@@ -234,32 +272,15 @@ class EDTWorker:
             self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(job_dir)),
                                                           dtype=torch.float32)
         load_weights_into(self.model, job_dir)
-        bytes_read = (job_dir / WEIGHTS).stat().st_size
-        # The job's hyperparameters: the DNA's lr on the run's schedule (warmup once, cosine over all generations).
-        jc = copy.deepcopy(cfg)
-        jc.inner.lr = float(job["hyper"]["inner_lr"])
-        jc.inner.total_steps = int(job["schedule_total"])
-        trainer = InnerTrainer(jc, self.model, self.device)
-        if job.get("optimizer_from"):
-            opt = paths.root / job["optimizer_from"]
-            trainer.load_state(opt, {})
-            bytes_read += opt.stat().st_size
-        trainer.step = int(job["schedule_step"])
-        torch.manual_seed(cfg.seed * 1_000_003 + g * 1009 + m)
-        pos = job["position"]
-        sampler = MixSampler(self.data, m, int(job["population"]), cfg.seed, int(pos["own"]), int(pos["mix"]),
-                             float(job["hyper"]["data_mix"]))
         steps = int(job["steps"])
+        torch.manual_seed(cfg.seed * 1_000_003 + g * 1009 + m)
 
         def on_step(i: int, loss) -> None:
             lease.check()
             self.hb.beat(status="training", generation=g, member=m, step=i + 1, steps=steps, loss=loss)
 
         self.hb.beat(force=True, status="training", generation=g, member=m, step=0, steps=steps)
-        stats = trainer.train_steps(sampler.next_batch, steps, on_step)
-        t0 = time.perf_counter()
-        eval_loss = evaluate(self.model, self.eval_windows, cfg.eval.batch_size, self.device, cfg.inner.precision)
-        t_eval = time.perf_counter() - t0
+        out = self.mutation(self.model.to(self.device), job, g, m, on_step, tmp)
 
         # members/mYYY/: the job's config files, the mutated weights (in the job file's order), optimizer state.
         for fname in ("config.json", "generation_config.json"):
@@ -272,15 +293,11 @@ class EDTWorker:
         with StreamingWriter(tmp / WEIGHTS, specs, metadata={"format": "pt"}) as wr:
             for n in names:
                 wr.write(n, params[n].detach().to("cpu", copy=True))
-        extra = trainer.save_state(tmp / "optimizer.safetensors")
-        bytes_written = wr.nbytes + (tmp / "optimizer.safetensors").stat().st_size
+        finite = all(v is None or bool(np.isfinite(v)) for v in (out["eval_loss"], out["train_loss"]))
         result = {"protocol": PROTOCOL_VERSION, "generation": g, "member": m, "attempt": attempt, "worker": self.w,
-                  "host": socket.gethostname(), "eval_loss": eval_loss, "train_loss": stats["loss"],
-                  "last_loss": stats["last_loss"], "tokens": stats["tokens"], "steps": steps,
-                  "position": sampler.positions, "hyper": job["hyper"], "optimizer_step": extra["step"],
-                  "finite": bool(np.isfinite(eval_loss) and np.isfinite(stats["loss"])),
-                  "weights_sha256": wr.sha256, "bytes_read": bytes_read, "bytes_written": bytes_written,
-                  "train_seconds": stats["seconds"], "eval_seconds": t_eval, "time": time.time()}
+                  "host": socket.gethostname(), **out, "steps": steps, "hyper": job["hyper"], "finite": finite,
+                  "weights_sha256": wr.sha256, "bytes_read": (job_dir / WEIGHTS).stat().st_size + out["bytes_read"],
+                  "bytes_written": wr.nbytes + out["bytes_written"], "time": time.time()}
         atomic_write_json(tmp / "result.json", result)
         write_manifest(tmp, hashes={WEIGHTS: wr.sha256})
         return result

@@ -53,7 +53,13 @@ def neg_loss(result: Mapping) -> float:
     return -float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else float("-inf")
 
 
-FITNESS: dict[str, Callable[[Mapping], float]] = {"inverse_loss": inverse_loss, "neg_loss": neg_loss}
+def tasks(result: Mapping) -> float:
+    """EvoMerge: the weighted sum of the member's task scores (evomerge.tasks), computed by the worker."""
+    v = result.get("task_fitness")
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else float("-inf")
+
+
+FITNESS: dict[str, Callable[[Mapping], float]] = {"inverse_loss": inverse_loss, "neg_loss": neg_loss, "tasks": tasks}
 
 
 def fitness_function(spec: str) -> Callable[[Mapping], float]:
