@@ -30,10 +30,10 @@ def main() -> int:
     log = logging.getLogger("diloco_sim")
     log.info("%s", config_summary(cfg))
     n = cfg.outer.num_workers
-    threads = args.threads or max(1, (os.cpu_count() or 1) // n)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // (n * cfg.inner.nproc_per_node))
     paths = RunPaths(cfg.run_dir)
     workers = LocalWorkers("train.worker", cfg.source if cfg.source != "<defaults>" else args.config, overrides, n,
-                           [paths.worker_log(i) for i in range(n)], threads=threads)
+                           [paths.worker_log(i) for i in range(n)], threads=threads, nproc=cfg.inner.nproc_per_node)
     workers.start()
     log.info("started %d worker processes (logs: %s)", n, paths.logs)
     try:

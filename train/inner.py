@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from train.config import RunConfig
+from train.config import ConfigError, RunConfig
+from train.dist import DistInfo, all_mean, full_tensor, like, parallelize
 from train.tensorio import load_tensors, save_streaming
 
 
@@ -57,18 +58,30 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int, dev
 
 
 class InnerTrainer:
-    """Owns the model on its device, the AdamW optimizer and the schedule position (`step`)."""
+    """Owns the model on its device, the AdamW optimizer and the schedule position (`step`).
 
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module, device: torch.device):
+    In a torchrun group (`dist`, train/dist.py) every rank holds one: the model runs through DDP (or is FSDP2-
+    sharded), each rank does total_batch_size / world windows per step, and the gradients are averaged over the
+    group, so one step is the same step as in one process."""
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, device: torch.device, dist: DistInfo | None = None):
         ic = cfg.inner
-        self.cfg, self.device = cfg, device
+        if dist is None and ic.nproc_per_node > 1:
+            raise ConfigError(f"inner.nproc_per_node = {ic.nproc_per_node}, but this kind of worker trains in one "
+                              f"process (only DiLoCo workers, train.worker, run as torchrun groups): set "
+                              f"inner.nproc_per_node = 1")
+        self.cfg, self.device, self.dist = cfg, device, dist or DistInfo()
         self.model = model.to(device)
         self.model.train()
+        wrapped = parallelize(self.model, self.dist, device, ic.parallel)  # after this, FSDP2 params are shards
         self.params = dict(self.model.named_parameters())
         self.opt = torch.optim.AdamW(self.params.values(), lr=ic.lr, betas=(ic.beta1, ic.beta2), eps=ic.eps,
                                      weight_decay=ic.weight_decay)
         self.scaler = torch.amp.GradScaler(device.type, enabled=ic.precision == "fp16-mixed")
-        self.forward_model = torch.compile(self.model) if ic.compile else self.model
+        self.forward_model = torch.compile(wrapped) if ic.compile else wrapped
+        # Micro-batches per step on this rank; DDP skips the gradient all-reduce on all but the last of them.
+        self.accum = ic.total_batch_size // (ic.per_device_batch_size * self.dist.world)
+        self._no_sync = getattr(wrapped, "no_sync", None)
         self.step = 0  # inner steps taken so far (drives the schedule)
 
     def lr(self) -> float:
@@ -79,18 +92,20 @@ class InnerTrainer:
                     on_step: Callable[[int, float], None] | None = None) -> dict:
         """Run `n_steps` optimizer steps; `on_step(i, loss_tensor)` is called after each."""
         ic = self.cfg.inner
-        accum = ic.grad_accum
+        accum = self.accum
         losses = torch.zeros(n_steps, device=self.device)  # stays on the device: no sync per step
         t0 = time.perf_counter()
         for i in range(n_steps):
             for group in self.opt.param_groups:
                 group["lr"] = self.lr()
             step_loss = torch.zeros((), device=self.device)
-            for _ in range(accum):
+            for k in range(accum):
                 batch = next_batch(ic.per_device_batch_size).to(self.device, non_blocking=True)
-                with autocast_for(ic.precision, self.device):
-                    loss = lm_loss(self.forward_model, batch) / accum
-                self.scaler.scale(loss).backward()
+                sync = self._no_sync is None or k == accum - 1
+                with nullcontext() if sync else self._no_sync():
+                    with autocast_for(ic.precision, self.device):
+                        loss = lm_loss(self.forward_model, batch) / accum
+                    self.scaler.scale(loss).backward()
                 step_loss += loss.detach()
             if ic.grad_clip > 0:
                 self.scaler.unscale_(self.opt)
@@ -102,36 +117,43 @@ class InnerTrainer:
             losses[i] = step_loss
             if on_step:
                 on_step(i, step_loss)  # a tensor: the callback decides when a .item() sync is worth it
-        n_tokens = n_steps * ic.total_batch_size * self.cfg.data.seq_length
-        losses = losses.cpu()
+        n_tokens = n_steps * ic.total_batch_size * self.cfg.data.seq_length  # the whole worker's (all ranks)
+        losses = all_mean(losses, self.dist).cpu()  # each rank's loss covers its slice; the group mean is the step's
         return {"loss": float(losses.mean()) if n_steps else float("nan"), "last_loss": float(losses[-1]),
                 "steps": n_steps, "tokens": n_tokens, "seconds": time.perf_counter() - t0}
 
     # -- optimizer state as safetensors + JSON --------------------------------------------------------------------
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """The AdamW state as full CPU tensors (FSDP2 shards are gathered: call it on every rank of a group)."""
         out = {}
         for name, p in self.params.items():
             st = self.opt.state.get(p)
             if not st:
                 continue
-            out[f"{name}::exp_avg"] = st["exp_avg"].detach().cpu()
-            out[f"{name}::exp_avg_sq"] = st["exp_avg_sq"].detach().cpu()
-            out[f"{name}::step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+            out[f"{name}::exp_avg"] = full_tensor(st["exp_avg"].detach()).cpu()
+            out[f"{name}::exp_avg_sq"] = full_tensor(st["exp_avg_sq"].detach()).cpu()
+            out[f"{name}::step"] = torch.as_tensor(float(st["step"]), dtype=torch.float32).reshape(1).cpu()
         return out
 
     def save_state(self, path) -> dict:
         """Write the optimizer tensors (atomically); returns the JSON-able rest of the state."""
         save_streaming(path, self.optimizer_tensors())
+        return self.extra_state()
+
+    def extra_state(self) -> dict:
         return {"step": self.step, "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
 
     def load_state(self, path, extra: dict) -> None:
-        tensors = load_tensors(path)
+        self.set_optimizer_tensors(load_tensors(path), extra)
+
+    def set_optimizer_tensors(self, tensors: dict[str, torch.Tensor], extra: dict) -> None:
+        """Restore the AdamW state from full tensors (laid out like each parameter: shards under FSDP2)."""
         for name, p in self.params.items():
             if f"{name}::exp_avg" not in tensors:
                 continue
             self.opt.state[p] = {
-                "exp_avg": tensors[f"{name}::exp_avg"].to(self.device),
-                "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].to(self.device),
+                "exp_avg": like(p, tensors[f"{name}::exp_avg"]),
+                "exp_avg_sq": like(p, tensors[f"{name}::exp_avg_sq"]),
                 "step": torch.tensor(float(tensors[f"{name}::step"][0])),
             }
         self.step = int(extra.get("step", 0))

@@ -2,7 +2,8 @@
 host in parallel, and summarise per host. The CLI is launch_to_machines.py; the remote side is train/remote.py.
 
 Plan: the coordinator on the first machine; worker i on slot i mod #slots, where the slots go round-robin over the
-machines (and over the GPUs of machines with `gpus`): worker i runs on machine i while there are machines.
+machines (and over the GPUs of machines with `gpus`): worker i runs on machine i while there are machines. A worker
+of N processes (`procs_per_worker` of the machine, else inner.nproc_per_node) is a torchrun group on N of the GPUs.
 Every value put into a remote command goes through shlex.quote (a leading ~/ becomes "$HOME"/); the only text sent
 verbatim is a machine's own `setup` line, which is shell code by definition.
 """
@@ -18,14 +19,16 @@ from pathlib import Path
 from typing import Callable
 
 from train.config import REPO_ROOT, ConfigError, Machine, load_config
+from train.procs import worker_argv
 from train.remote import MARK, code_fingerprint
 from train.ssh import CommandTimeout, Connection, SSHError, SSHOptions, connect, parallel
 from train.store import sha256_file
 
-# THE table: strategy -> coordinator command (after the interpreter) and worker module (`python -m <module>`).
+# THE table: strategy -> coordinator command (after the interpreter), worker module (`python -m <module>`) and
+# whether that worker can be a torchrun group of several processes.
 STRATEGIES = {
-    "diloco": {"coordinator": ["diloco.py"], "worker": "train.worker"},
-    "edt": {"coordinator": ["edt.py"], "worker": "train.edt_worker"},
+    "diloco": {"coordinator": ["diloco.py"], "worker": "train.worker", "multi_process": True},
+    "edt": {"coordinator": ["edt.py"], "worker": "train.edt_worker", "multi_process": False},
 }
 
 
@@ -77,17 +80,37 @@ class Launcher:
         if strategy not in STRATEGIES:
             raise ConfigError(f"--strategy {strategy}: must be one of {', '.join(STRATEGIES)}")
         s, ms = STRATEGIES[strategy], self.machines
-        slots, depth = [], max(len(m.gpu_ids or [None]) for m in ms)
-        for k in range(depth):  # round-robin over machines first, then over each machine's GPUs
-            slots += [(m, (m.gpu_ids or [None])[k]) for m in ms if k < len(m.gpu_ids or [None])]
+        groups = {m.label: self.device_groups(m, strategy) for m in ms}
+        slots, depth = [], max(len(g) for g in groups.values())
+        for k in range(depth):  # round-robin over machines first, then over each machine's GPUs (or GPU groups)
+            slots += [(m, groups[m.label][k]) for m in ms if k < len(groups[m.label])]
         conf = ["--config", self.config_arg, *self.sets()]
         procs = [Proc("coordinator", ms[0], [ms[0].python, *s["coordinator"], *conf, "--no-progress"], dict(ms[0].env))]
         for i in range(self.cfg.outer.num_workers):
-            m, gpu = slots[i % len(slots)]
-            env = {**m.env, **({} if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)})}
-            procs.append(Proc(f"worker-{i:03d}", m, [m.python, "-m", s["worker"], *conf[:2], "--worker", str(i),
-                                                     *conf[2:]], env))
+            m, gpus = slots[i % len(slots)]
+            n = self.procs_per_worker(m)
+            env = {**m.env, **({} if gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))})}
+            # the group size goes into the config too, so the worker checks that the batch splits over it
+            sets = [] if n == self.cfg.inner.nproc_per_node else ["--set", f"inner.nproc_per_node={n}"]
+            procs.append(Proc(f"worker-{i:03d}", m, [*worker_argv(m.python, s["worker"], n), *conf[:2], "--worker",
+                                                     str(i), *conf[2:], *sets], env))
         return procs
+
+    def procs_per_worker(self, m: Machine) -> int:
+        return m.procs_per_worker or self.cfg.inner.nproc_per_node
+
+    def device_groups(self, m: Machine, strategy: str) -> list[list[int] | None]:
+        """The worker slots of a machine: groups of procs_per_worker of its GPUs (None: devices left as is)."""
+        n = self.procs_per_worker(m)
+        if n > 1 and not STRATEGIES[strategy]["multi_process"]:
+            raise ConfigError(f"{m.label}: {strategy} workers run as one process each, but this machine asks for "
+                              f"{n} per worker (procs_per_worker / inner.nproc_per_node): set them to 1")
+        if m.gpu_ids is None:
+            return [None]
+        if len(m.gpu_ids) % n:
+            raise ConfigError(f"{m.label}: gpus = {m.gpus} does not split into workers of {n} processes "
+                              f"(inner.nproc_per_node): list a multiple of {n} devices or set procs_per_worker")
+        return [m.gpu_ids[k: k + n] for k in range(0, len(m.gpu_ids), n)]
 
     def roles(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {m.label: [] for m in self.machines}

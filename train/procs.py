@@ -2,7 +2,9 @@
 
 Each worker is a real OS process (`python -m <module> --config ... --worker i`) in its own session / process group,
 with stdout and stderr appended to logs/worker-XXX.log in the run folder: the same program the SSH launcher starts
-on a cluster. `stop()` signals each whole process group (SIGTERM, then SIGKILL after a grace period).
+on a cluster. With `nproc` > 1 a worker is a torchrun group instead (`python -m torch.distributed.run --standalone
+--nproc_per_node N -m <module> ...`; see train/dist.py), still one process group. `stop()` signals each whole
+process group (SIGTERM, then SIGKILL after a grace period).
 """
 from __future__ import annotations
 
@@ -29,6 +31,14 @@ def _die_with_parent() -> None:
         pass  # not Linux: the worker's own lock still prevents a second copy
 
 
+def worker_argv(python: str, module: str, nproc: int = 1) -> list[str]:
+    """The command prefix that starts one worker: `python -m module`, or a standalone torchrun group of `nproc`
+    processes on this host (its own rendezvous on a free local port, so several groups share a host)."""
+    if nproc <= 1:
+        return [python, "-m", module]
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", module]
+
+
 def tail(path: Path, n: int = 15) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -39,9 +49,9 @@ def tail(path: Path, n: int = 15) -> str:
 
 class LocalWorkers:
     def __init__(self, module: str, config_path: str, overrides: list[str], num: int, log_paths: list[Path],
-                 threads: int = 0, extra_args: list[str] | None = None):
+                 threads: int = 0, extra_args: list[str] | None = None, nproc: int = 1):
         self.module, self.config_path, self.overrides = module, config_path, overrides
-        self.num, self.log_paths, self.threads = num, log_paths, threads
+        self.num, self.log_paths, self.threads, self.nproc = num, log_paths, threads, nproc
         self.extra_args = extra_args or []
         self.procs: list[subprocess.Popen] = []
 
@@ -51,8 +61,8 @@ class LocalWorkers:
         if self.threads:
             env.setdefault("OMP_NUM_THREADS", str(self.threads))
         for i in range(self.num):
-            cmd = [sys.executable, "-m", self.module, "--config", self.config_path, "--worker", str(i),
-                   *[a for ov in self.overrides for a in ("--set", ov)], *self.extra_args]
+            cmd = [*worker_argv(sys.executable, self.module, self.nproc), "--config", self.config_path,
+                   "--worker", str(i), *[a for ov in self.overrides for a in ("--set", ov)], *self.extra_args]
             if self.threads:
                 cmd += ["--threads", str(self.threads)]
             self.log_paths[i].parent.mkdir(parents=True, exist_ok=True)
