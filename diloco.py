@@ -6,6 +6,11 @@ Notebook:
                                                lr=0.7, mu=0.9)
     metrics = diloco.load_metrics("runs/diloco-shakespeare")
 
+Your own training loop (README "DiLoCoOptimizer"; workers synchronise through BASE_DIR, no extra process):
+    opt = diloco.DiLoCoOptimizer(model, base_dir=..., run_id=..., worker=0, num_workers=2, num_inner_steps=50,
+                                 inner_optimizer=partial(torch.optim.AdamW, lr=4e-4),
+                                 outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+
 Cluster (the launcher runs this for you next to the workers; see README):
     python diloco.py --config evolution.json           # coordinator: reduce + commit every round
     python -m train.worker --config evolution.json --worker 0
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from train.diloco_optimizer import DiLoCoOptimizer, load_global  # noqa: F401  (public API)
 from train.outer import average_deltas, diloco_round, outer_step, outer_step_tensor  # noqa: F401  (public API)
 from train.store import RunPaths, read_jsonl
 
