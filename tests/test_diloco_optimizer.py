@@ -135,6 +135,27 @@ def test_refusals(tmp_path):
         _opt(model, tmp_path, run_id="c")
 
 
+def test_a_late_worker_is_left_out_then_rejoins_and_a_missing_reducer_times_out(tmp_path):
+    """min_workers=1: the reducer goes on without worker 1 after averaging_timeout; worker 1's delta of that round
+    is dropped and it continues from the committed round. A worker with no reducer fails with a clear timeout."""
+    with pytest.raises(TimeoutError, match="no round 0 in .*is worker 0, the reducer, running"):
+        _opt(_model(), tmp_path / "lonely", worker=1, num_workers=2, averaging_timeout=0.3)
+    m0, m1 = _model(), _model(seed=3)
+    o0 = _opt(m0, tmp_path, num_workers=2, min_workers=1, averaging_timeout=0.3)
+    o1 = _opt(m1, tmp_path, worker=1, num_workers=2, averaging_timeout=0.3)
+    assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))  # both start from θ_0
+    _train(m0, o0, 3)  # waits 0.3 s for worker 1, then reduces its own delta alone
+    rec = read_jsonl(o0.paths.metrics)[-1]
+    assert rec["workers_used"] == [0] and rec["missing"] == [1]
+    _train(m1, o1, 3)
+    assert o1.round == 1 and not o1.paths.delta_meta(0, 1).exists()  # dropped, not published late
+    assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
+    o0.close()
+    o1.close()
+    with pytest.raises(ProtocolError, match="reducer"):
+        _opt(_model(), tmp_path, worker=1, num_workers=2, reducer=1)  # workers must agree on the reducer
+
+
 @pytest.mark.slow
 def test_two_worker_processes_match_the_coordinator_run(tmp_path):
     """The same micro Llama, data shards, AdamW schedule and clipping as `python -m train.worker`: the user loop
@@ -143,13 +164,19 @@ def test_two_worker_processes_match_the_coordinator_run(tmp_path):
     cfg = tmp_path / "evolution.json"
     cfg.write_text(json.dumps(tiny_config(tmp_path / "runs", data={"fake_data": True, "fake_tokens": 20000},
                                           outer={"rounds": 3, "local_steps": 4}, logging={"plot": False})))
-    ref = subprocess.run([sys.executable, str(REPO / "diloco_sim.py"), "--config", str(cfg)], capture_output=True,
-                         text=True, timeout=300, cwd=REPO)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
+    # Both runs at once (the optimizer's workers wait for the token cache the coordinator writes, then read it).
     procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "diloco_opt_worker.py"), str(cfg), str(w),
                                str(tmp_path / "opt")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               cwd=REPO) for w in (0, 1)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        ref = subprocess.run([sys.executable, str(REPO / "diloco_sim.py"), "--config", str(cfg)],
+                             capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert ref.returncode == 0, ref.stdout + ref.stderr
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
     ref_paths, opt_paths = RunPaths(tmp_path / "runs" / "t"), RunPaths(tmp_path / "opt" / "t")
     assert opt_paths.committed_rounds() == ref_paths.committed_rounds() == [0, 2, 3]  # keep_rounds = 2, θ_0 kept

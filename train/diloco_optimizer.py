@@ -37,8 +37,8 @@ explicit worker id. It speaks the coordinator's protocol (train/store.py) under 
   AdamW restarts from zero moments. A worker whose delta of the current round was already published before the
   crash does not publish again: it waits for that round's commit. A worker too slow for `averaging_timeout`
   finds the round committed without it, drops its delta and rejoins at the latest round.
-- run.json records the protocol version and an identity (kind, num_workers, delta dtype, parameter names and
-  shapes); joining a run with another identity, or a coordinator run folder, fails with a ProtocolError.
+- run.json records the protocol version and an identity (kind, num_workers, reducer, delta dtype, parameter
+  names and shapes); joining a run with another identity, or a coordinator run folder, fails with a ProtocolError.
 """
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def _state_key(name: str, key: str) -> str:
 class DiLoCoOptimizer:
     """Inner optimizer every step, DiLoCo outer step through BASE_DIR every `num_inner_steps` (see the module doc).
 
-    params: the model, `model.named_parameters()`, or `model.parameters()`.
+    params: the model, `model.named_parameters()`, or `model.parameters()` (parameters only: buffers such as
+        BatchNorm statistics stay local to each worker).
     base_dir / run_id: the shared folder and the run's name (the run lives in base_dir/run_id).
     worker / num_workers: this worker's id in 0..num_workers-1 and how many workers the run has.
     num_inner_steps: H, inner steps between synchronisations.
@@ -194,7 +195,7 @@ class DiLoCoOptimizer:
     def identity(self) -> dict:
         spec = [(n, list(p.shape)) for n, p in self.params.items()]
         digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
-        return {"kind": KIND, "num_workers": self.num_workers, "delta_dtype": self.delta_dtype,
+        return {"kind": KIND, "num_workers": self.num_workers, "reducer": self.reducer, "delta_dtype": self.delta_dtype,
                 "parameters": len(spec), "parameters_sha256": digest}
 
     def _join(self) -> None:
@@ -275,7 +276,7 @@ class DiLoCoOptimizer:
         got = wait_for(pred, self.averaging_timeout, self.poll)
         if not got:
             raise TimeoutError(f"worker {self.worker}: no {what} in {self.paths.root} after averaging_timeout = "
-                               f"{self.averaging_timeout:.0f}s (is worker {self.reducer}, the reducer, running? "
+                               f"{self.averaging_timeout:g}s (is worker {self.reducer}, the reducer, running? "
                                f"raise averaging_timeout if the workers' speeds differ a lot)")
         return got
 
@@ -360,7 +361,7 @@ class DiLoCoOptimizer:
             missing = [w for w in range(N) if w not in workers]
             if len(workers) < self.min_workers:
                 raise TimeoutError(f"round {r}: {len(workers)}/{N} deltas after averaging_timeout = "
-                                   f"{self.averaging_timeout:.0f}s (min_workers = {self.min_workers}); missing "
+                                   f"{self.averaging_timeout:g}s (min_workers = {self.min_workers}); missing "
                                    f"workers {missing}. Start them (the run resumes here) or lower min_workers.")
             log.warning("round %d: timeout; going on with %d/%d deltas, missing %s", r, len(workers), N, missing)
         t_wait = time.perf_counter() - t0
