@@ -1,0 +1,140 @@
+"""The offline EvoMerge demo's parents: one base model and one specialist per synthetic task, all from one init.
+
+    base        the embedded tiny Llama (random init from its config), SFT for `base_steps` on an equal mix of all
+                tasks: it knows the chat format and a little of every task
+    <task>      the base, SFT for `steps` more on its own task only: good at it, and it forgets some of the others
+
+All specialists share the base's weights as their starting point, which is what weight merging (task arithmetic,
+ties, slerp, ...) needs to combine them. Each model is a HF model directory (with the tokenizer and its chat
+template) written atomically with a manifest; a finished one is skipped, so rerunning resumes. `accuracy.json` and
+`accuracy.md` hold the exact-match accuracy of every model on every task's fixed held-out items.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from train.sft import SFTMixture, ensure_chat_template, train_sft
+from train.store import (ProtocolError, atomic_publish_dir, atomic_write_bytes, atomic_write_json, new_tmp_dir,
+                         read_json, verify_manifest, write_manifest)
+from train.task_eval import TaskSpec, evaluate_tasks, fixed_items
+from train.tasks import TASKS, task_items
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _finished(d: Path) -> bool:
+    try:
+        verify_manifest(d, check_hashes=False)
+        return (d / "train.json").is_file()
+    except (ProtocolError, OSError, ValueError):
+        return False
+
+
+def _sft_phase(model, tokenizer, sources: dict, steps: int, lr: float, batch_size: int, max_length: int, seed: int,
+               desc: str, progress: bool) -> dict:
+    from tqdm import tqdm
+
+    mixture = SFTMixture(sources, {n: 1.0 for n in sources}, tokenizer, max_length, seed=seed)
+    with tqdm(total=steps, desc=desc, unit="step", disable=not progress, dynamic_ncols=True) as bar:
+        def on_step(i: int, loss: float) -> None:
+            bar.update(1)
+            if i % 10 == 0 or i == steps - 1:
+                bar.set_postfix(loss=f"{loss:.3f}")
+        stats = train_sft(model, mixture, steps, lr, batch_size=batch_size, warmup=max(1, steps // 20),
+                          on_step=on_step)
+    stats.pop("optimizer_state", None)
+    return stats
+
+
+def _save(model, tokenizer, out: Path, stats: dict) -> None:
+    """The model directory with its training record (train.json inside, so the manifest covers it)."""
+    tmp = new_tmp_dir(out)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        atomic_write_bytes(tmp / "train.json", json.dumps(stats, indent=1).encode())
+        write_manifest(tmp)
+        atomic_publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def make_specialists(out_dir: str | Path, tasks: tuple[str, ...] | list[str] = tuple(TASKS), *,
+                     base_steps: int = 150, steps: int = 400, batch_size: int = 32, lr: float = 3e-3,
+                     base_lr: float | None = None, train_items: int = 4000, eval_items: int = 100,
+                     max_length: int = 48, seed: int = 0, model_config: str | Path | None = None,
+                     tokenizer_dir: str | Path | None = None, progress: bool = True,
+                     evaluate: bool = True) -> dict[str, Path]:
+    """Build (or resume) `out_dir/base` and `out_dir/<task>` for each task; returns {"base": path, task: path}.
+    With `evaluate`, also writes out_dir/accuracy.json and accuracy.md (see `accuracy_table`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"tasks {list(tasks)}: need known synthetic tasks from {sorted(TASKS)}")
+    model_config = Path(model_config or REPO / "configs" / "tiny-llama.json")
+    if not model_config.is_file():
+        raise FileNotFoundError(f"model config {model_config}: no such file (an HF config JSON for the base model)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = ensure_chat_template(AutoTokenizer.from_pretrained(str(tokenizer_dir or REPO / "data" / "tokenizer")))
+    sources = {t: task_items(t, train_items, "train", seed) for t in tasks}
+    paths = {"base": out / "base", **{t: out / t for t in tasks}}
+
+    if not _finished(paths["base"]):
+        torch.manual_seed(seed)
+        cfg = AutoConfig.from_pretrained(str(model_config))
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        stats = _sft_phase(model, tokenizer, sources, base_steps, base_lr or lr, batch_size, max_length, seed,
+                           "base (all tasks)", progress)
+        _save(model, tokenizer, paths["base"], {"role": "base", "tasks": list(tasks), "lr": base_lr or lr,
+                                                "batch_size": batch_size, "seed": seed, **stats})
+    for k, t in enumerate(tasks):
+        if _finished(paths[t]):
+            continue
+        torch.manual_seed(seed + 1 + k)
+        model = AutoModelForCausalLM.from_pretrained(str(paths["base"]), dtype=torch.float32)
+        stats = _sft_phase(model, tokenizer, {t: sources[t]}, steps, lr, batch_size, max_length, seed + 1 + k,
+                           f"specialist {t}", progress)
+        _save(model, tokenizer, paths[t], {"role": "specialist", "task": t, "from": "base", "lr": lr,
+                                           "batch_size": batch_size, "seed": seed + 1 + k, **stats})
+    if evaluate:
+        accuracy_table(paths, tasks, eval_items, seed, out, tokenizer)
+    return paths
+
+
+def accuracy_table(paths: dict[str, Path], tasks, eval_items: int, seed: int, out: Path, tokenizer=None,
+                   progress: bool = True) -> dict:
+    """Exact-match accuracy of every model on every task's fixed held-out items -> accuracy.json + accuracy.md."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    specs = [TaskSpec(t, f"task:{t}", "exact_match", items=eval_items, max_new_tokens=16) for t in tasks]
+    items = fixed_items(specs, seed)
+    acc = {}
+    for name, d in tqdm(paths.items(), desc="accuracy", unit="model", disable=not progress):
+        tok = tokenizer or ensure_chat_template(AutoTokenizer.from_pretrained(str(d)))
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+        acc[name] = evaluate_tasks(model, tok, specs, seed=seed, items=items)["scores"]
+    train = {name: read_json(d / "train.json") for name, d in paths.items() if (d / "train.json").is_file()}
+    result = {"tasks": list(tasks), "eval_items": eval_items, "seed": seed, "metric": "exact_match (greedy)",
+              "accuracy": acc, "train": train}
+    atomic_write_json(out / "accuracy.json", result)
+    atomic_write_bytes(out / "accuracy.md", markdown_table(result).encode())
+    return result
+
+
+def markdown_table(result: dict) -> str:
+    tasks = result["tasks"]
+    lines = [f"Exact-match accuracy on {result['eval_items']} fixed held-out items per task (greedy, seed "
+             f"{result['seed']})", "", "| model | " + " | ".join(tasks) + " | mean |",
+             "|---|" + "---:|" * (len(tasks) + 1)]
+    for name, scores in result["accuracy"].items():
+        vals = [scores[t] for t in tasks]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.1%}" for v in vals) + f" | {sum(vals) / len(vals):.1%} |")
+    return "\n".join(lines) + "\n"
