@@ -129,8 +129,11 @@ def resolve(args: argparse.Namespace, world: int) -> tuple[str, list[str], RunCo
     if args.max_steps is not None:
         if args.max_steps < 1:
             raise ConfigError(f"--max-steps {args.max_steps}: must be >= 1")
-        if args.__dict__.get("hv.local-steps") is None and cfg.outer.local_steps > args.max_steps:
-            ovs.append(f"outer.local_steps={args.max_steps}")  # fewer steps than one round: one round of them
+        if cfg.outer.local_steps > args.max_steps:  # fewer steps than one round: one round of them
+            if getattr(args, "hv.local-steps") is not None:
+                log.warning("--max-steps %d < --hv.local-steps %d: one round of %d local steps", args.max_steps,
+                            cfg.outer.local_steps, args.max_steps)
+            ovs.append(f"outer.local_steps={args.max_steps}")
             cfg = load_config(path, ovs)
         rounds = math.ceil(args.max_steps / cfg.outer.local_steps)
         if rounds * cfg.outer.local_steps != args.max_steps:
@@ -199,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args, unknown = ap.parse_known_args(argv)
     if unknown:
-        (log.error if info.main else log.debug)("unsupported argument(s) %s: see `train/train_fsdp.py --help` for the flags we map, or set any "
-                  "config key with --set KEY=VALUE (README: configuration)", " ".join(unknown))
+        if info.main:
+            log.error("unsupported argument(s) %s: see `train/train_fsdp.py --help` for the flags we map, or set "
+                      "any config key with --set KEY=VALUE (README: configuration)", " ".join(unknown))
         return 2
     quiet_transformers()
     coord = None

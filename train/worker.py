@@ -19,6 +19,7 @@ every step's batch, and the group's gradients are averaged, so the worker publis
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -168,7 +169,10 @@ class Worker:
         else:
             while (r := broadcast_json(None, self.dist, self.device)) is not None:
                 self.train_round(r)  # rank 0 said: train round r (None: the run is complete)
-        # Only on success: after an error this rank just exits and torchrun stops the rest of the group.
+        # Only on success: after an error this rank just exits and torchrun stops the rest of the group. The model
+        # and optimizer go first: FSDP2 keeps collective work objects that must not outlive the process group.
+        self.trainer = None
+        gc.collect()
         close_group()
 
     def lead(self) -> None:
