@@ -97,10 +97,9 @@ def _linear(numel, xs: list[Source], weights, normalize: bool, out: Tensor, chun
         raise ValueError(f"linear: weights {list(weights)} sum to 0, cannot normalise")
     scale = 1.0 / total if normalize else 1.0
     for s, e in _ranges(numel, chunk):
-        acc = torch.zeros(e - s, dtype=torch.float32)
+        acc = out[s:e].zero_()
         for w, x in zip(weights, xs):
             acc.add_(x(s, e), alpha=w * scale)
-        out[s:e] = acc
 
 
 def _slerp(numel, a: Source, b: Source, t: float, out: Tensor, chunk: int, eps: float = 1e-8) -> None:
@@ -118,7 +117,7 @@ def _slerp(numel, a: Source, b: Source, t: float, out: Tensor, chunk: int, eps: 
         s0 = math.sin(theta0 - theta0 * t) / math.sin(theta0)
         s1 = math.sin(theta0 * t) / math.sin(theta0)
     for s, e in _ranges(numel, chunk):
-        out[s:e] = a(s, e) * s0 + b(s, e) * s1
+        torch.mul(a(s, e), s0, out=out[s:e]).add_(b(s, e), alpha=s1)
 
 
 def _kth_largest(chunks: Callable[[], Iterable[Tensor]], k: int) -> float:
