@@ -176,7 +176,9 @@ def test_evomerge_three_specialists_two_generations_resume_after_sigkill(tmp_pat
         if r["generation"] == 1 and not r["elite"]:
             assert r["origin"] == r["hyper"]["method"] and len(r["parents"]) == 2
             job = read_json(paths.job_json(1, r["member"]))
-            assert Recipe.from_dict(job["hyper"]["recipe"]).method == r["hyper"]["method"]  # genome round trip
+            genome = read_json(paths.genome(1, r["member"]))  # the recipe that made the member round-trips
+            assert genome["hyper"] == job["hyper"] == r["hyper"]
+            assert Recipe.from_dict(genome["hyper"]["recipe"]).method == r["hyper"]["method"]
             assert job["steps"] == 40
         if r["elite"]:
             assert r["fitness"] == max(p["fitness"] for p in r["parents"])  # carried unchanged: same score

@@ -128,8 +128,14 @@ def check_population(cfg: RunConfig) -> dict:
     error before any work is done."""
     from train.merge_stream import check_compatible
 
-    dirs = [local_model_dir(cfg, s) for s in dict.fromkeys(cfg.edt.initial_population)]
-    return check_compatible(dirs, base_dir_of(cfg))
+    try:
+        dirs = [local_model_dir(cfg, s) for s in dict.fromkeys(cfg.edt.initial_population)]
+        base = base_dir_of(cfg)
+    except FileNotFoundError as e:
+        hint = (" (the offline demo's models: run `python scripts/make_specialists.py` first)"
+                if "evomerge-models" in str(e) else "")
+        raise FileNotFoundError(f"{cfg.source}: edt.initial_population / evomerge.base_model: {e}{hint}") from None
+    return check_compatible(dirs, base)
 
 
 def evomerge_fill(cfg: RunConfig, g: int, a, b, hyper: dict, elite: bool, stats: dict) -> Callable[[Path], str | None]:
