@@ -143,6 +143,7 @@ def test_lora_trains_adapters_then_merges_into_a_plain_model(tok):
     assert res["lora"] and res["optimizer_state"] is None
     assert len(unchanged_during) == 30 and all(unchanged_during)  # adapters train, the base weights wait
     assert type(model) is cls and set(model.state_dict()) == names  # plain model, no lora_A/lora_B left
+    assert all(p.requires_grad for p in model.parameters())  # a later full fine-tune trains every weight again
     after = model.state_dict()
     changed = {k for k in names if not torch.equal(after[k], base[k])}
     assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight", "up_proj.weight")) for k in changed)

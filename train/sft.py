@@ -207,6 +207,7 @@ def train_sft(model: torch.nn.Module, mixture: SFTMixture, steps: int, lr: float
     "answer_tokens", "position", "seconds", "lora", "optimizer_state" (None with LoRA)}."""
     device = torch.device(device)
     model.to(device)
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}  # peft freezes the base: restored below
     net = _wrap_lora(model, lora) if lora else model
     net.train()
     params = {n: p for n, p in net.named_parameters() if p.requires_grad}
@@ -238,6 +239,8 @@ def train_sft(model: torch.nn.Module, mixture: SFTMixture, steps: int, lr: float
     opt_state = None if lora else _optimizer_tensors(opt, params)
     if lora:
         net.merge_and_unload()  # folds B @ A * alpha / r into the base weights, restores the plain modules in place
+        for n, p in model.named_parameters():
+            p.requires_grad_(trainable.get(n, True))
     model.eval()
     tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
     return {"train_loss": float(np.mean(tail)), "first_loss": losses[0] if losses else float("nan"),
