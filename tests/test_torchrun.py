@@ -89,16 +89,19 @@ def test_single_process_trainers_refuse_a_group_config(write_config):
         InnerTrainer(cfg, torch.nn.Linear(2, 2), torch.device("cpu"))
 
 
-def _run(tmp_path, name: str, **inner) -> RunPaths:
-    """diloco_sim.py with one worker of `inner.nproc_per_node` processes, 2 rounds of 3 steps, on fake tokens."""
+def _run(tmp_path, name: str, rounds: int = 2, **inner) -> RunPaths:
+    """diloco_sim.py with one worker of `inner.nproc_per_node` processes, `rounds` rounds of 3 steps (on a 6-step
+    schedule, so a run stopped after round 1 and resumed is the same run), on fake tokens."""
     base = tmp_path / name
-    base.mkdir()
+    base.mkdir(exist_ok=True)
     cfg = tiny_config(base / "runs", data={"fake_data": True, "fake_tokens": 20_000},
-                      inner={"per_device_batch_size": 4, "total_batch_size": 8, "grad_clip": 0.5, **inner},
+                      inner={"per_device_batch_size": 4, "total_batch_size": 8, "grad_clip": 0.5, "total_steps": 6,
+                             **inner},
                       outer={"num_workers": 1, "rounds": 2, "local_steps": 3}, logging={"progress": False,
                                                                                        "plot": False})
     (base / "evolution.json").write_text(json.dumps(cfg))
-    out = run_script("diloco_sim.py", "--config", str(base / "evolution.json"), "--threads", "1", timeout=300)
+    out = run_script("diloco_sim.py", "--config", str(base / "evolution.json"), "--threads", "1", "--rounds",
+                     str(rounds), timeout=300)
     paths = RunPaths(base / "runs" / "t")
     assert out.returncode == 0, out.stderr[-3000:] + paths.worker_log(0).read_text()[-3000:]
     return paths
@@ -108,9 +111,12 @@ def _run(tmp_path, name: str, **inner) -> RunPaths:
 def test_two_process_gloo_worker_commits_the_same_model_as_one_process(tmp_path):
     one = _run(tmp_path, "one")
     ddp = _run(tmp_path, "ddp", nproc_per_node=2)
-    fsdp = _run(tmp_path, "fsdp", nproc_per_node=2, parallel="fsdp")
+    # FSDP2, stopped after round 1 and resumed: the AdamW shards come back from rank 0's file by broadcast
+    _run(tmp_path, "fsdp", rounds=1, nproc_per_node=2, parallel="fsdp")
+    fsdp = _run(tmp_path, "fsdp", rounds=2, nproc_per_node=2, parallel="fsdp")
     assert "2 processes (ddp)" in ddp.worker_log(0).read_text()
     assert "2 processes (fsdp)" in fsdp.worker_log(0).read_text()
+    assert "resumed worker state: last round done 0, data position 24, inner step 3" in fsdp.worker_log(0).read_text()
     ref = load_tensors(one.global_dir(2) / "model.safetensors")
     theta0 = load_tensors(one.global_dir(0) / "model.safetensors")
     assert max(float((ref[k] - theta0[k]).abs().max()) for k in ref) > 1e-3  # it trained
