@@ -115,3 +115,17 @@ def test_a_second_copy_of_a_worker_is_refused(finished_run, tmp_path):
         assert out.returncode == 2 and "worker 0 is already running" in out.stderr
     finally:
         lock.close()
+
+
+def test_a_second_coordinator_is_refused(finished_run):
+    import fcntl
+    import subprocess
+    cfg_path, paths, _ = finished_run
+    lock = open(paths.root / "coordinator.lock", "a+")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # stands for a live coordinator (e.g. a forgotten diloco.py)
+    try:
+        out = subprocess.run([sys.executable, str(REPO / "diloco.py"), "--config", str(cfg_path)],
+                             capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert out.returncode == 2 and "the coordinator is already running" in out.stderr, out.stderr[-2000:]
+    finally:
+        lock.close()

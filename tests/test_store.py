@@ -191,3 +191,13 @@ def test_append_after_a_torn_line_keeps_the_new_record(tmp_path):
     append_jsonl(path, {"round": 1, "loss": 4.0})
     append_jsonl(path, {"round": 2, "loss": 3.0})
     assert read_jsonl(path) == [{"round": 0}, {"loss": 4.0, "round": 1}, {"loss": 3.0, "round": 2}]
+
+
+def test_exclusive_lock_admits_one_holder_and_names_it(tmp_path):
+    from train.store import ProtocolError, exclusive_lock
+
+    first = exclusive_lock(tmp_path / "run" / "coordinator.lock", "the coordinator")
+    with pytest.raises(ProtocolError, match=r"the coordinator is already running \(pid \d+ on .*run/coordinator.lock"):
+        exclusive_lock(tmp_path / "run" / "coordinator.lock", "the coordinator")
+    first.close()  # released (as when the process exits): the next one gets it
+    exclusive_lock(tmp_path / "run" / "coordinator.lock", "the coordinator").close()

@@ -26,7 +26,7 @@ from train.reduce import RejectedDelta  # noqa: F401  (re-exported: tests and to
 from train.reduce import (arrived, check_sidecar, commit, param_order, prune_rounds, reduce_round,
                           validate_and_reduce)
 from train.store import (PROTOCOL_VERSION, RunPaths, atomic_publish_dir, atomic_write_json, ensure_run_manifest,
-                         new_tmp_dir, read_json, read_jsonl, verify_manifest, write_manifest)
+                         exclusive_lock, new_tmp_dir, read_json, read_jsonl, verify_manifest, write_manifest)
 
 log = logging.getLogger("coordinator")
 
@@ -48,7 +48,8 @@ class Coordinator:
     # -- setup ----------------------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, paths = self.cfg, self.paths
-        paths.root.mkdir(parents=True, exist_ok=True)
+        # one coordinator per run: a second one (a forgotten `diloco.py`, a second launch) would race on commits
+        self._lock_f = exclusive_lock(paths.root / "coordinator.lock", "the coordinator")
         ensure_run_manifest(paths, run_identity(cfg))
         atomic_write_json(paths.config_json, cfg.to_dict())
         self.tokenizer = load_tokenizer(cfg) if not cfg.data.fake_data or cfg.model.tokenizer else None

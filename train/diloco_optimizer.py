@@ -55,8 +55,8 @@ import torch
 from train.model import WEIGHTS
 from train.reduce import arrived, commit, param_order, prune_rounds, validate_and_reduce
 from train.store import (PROTOCOL_VERSION, ProtocolError, RunPaths, append_jsonl, atomic_publish_dir,
-                         atomic_write_json, ensure_run_manifest, new_tmp_dir, read_json, read_jsonl, wait_for,
-                         write_manifest)
+                         atomic_write_json, ensure_run_manifest, exclusive_lock, new_tmp_dir, read_json, read_jsonl,
+                         wait_for, write_manifest)
 from train.tensorio import DTYPE_BY_NAME, StreamingWriter, iter_tensors
 
 log = logging.getLogger("diloco_optimizer")
@@ -221,17 +221,7 @@ class DiLoCoOptimizer:
 
     def _lock(self) -> None:
         """One live process per worker id (flock on workers/wXXX/lock, held until this process exits)."""
-        import fcntl
-
-        path = self.paths.worker_dir(self.worker) / "lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_f = open(path, "a+")
-        try:
-            fcntl.flock(self._lock_f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_f.close()
-            raise ProtocolError(f"worker {self.worker} of {self.paths.root} is already running (lock {path})") \
-                from None
+        self._lock_f = exclusive_lock(self.paths.worker_dir(self.worker) / "lock", f"worker {self.worker}")
 
     def _write_round0(self) -> None:
         """θ_0 = this worker's parameters (float32, named), written once with a manifest, then committed."""

@@ -25,8 +25,9 @@ from train.edt_store import EDTPaths, lease_age, member_id, requeue, server_now,
 from train.evolution import fitness_function, rank_order
 from train.logs import make_metric_logger
 from train.model import WEIGHTS, build_model, load_tokenizer
-from train.store import (MANIFEST, ProtocolError, atomic_publish_dir, atomic_write_json, ensure_run_manifest,
-                         new_tmp_dir, read_json, read_jsonl, verify_manifest, write_manifest, append_jsonl)
+from train.store import (MANIFEST, ProtocolError, append_jsonl, atomic_publish_dir, atomic_write_json,
+                         ensure_run_manifest, exclusive_lock, new_tmp_dir, read_json, read_jsonl, verify_manifest,
+                         write_manifest)
 from train.tensorio import read_header
 
 log = logging.getLogger("edt-coordinator")
@@ -58,7 +59,7 @@ class EDTCoordinator:
         if self._ready:
             return
         cfg, paths = self.cfg, self.paths
-        paths.root.mkdir(parents=True, exist_ok=True)
+        self._lock_f = exclusive_lock(paths.root / "coordinator.lock", "the EDT coordinator")  # one per run
         if paths.run_json.is_file() and read_json(paths.run_json).get("identity", {}).get("strategy") != "edt":
             raise ProtocolError(f"{paths.root} holds a DiLoCo run: give the EDT run another project_name")
         ensure_run_manifest(paths, run_identity(cfg))

@@ -36,7 +36,8 @@ from train.edt_store import (EDTPaths, publish_once, read_claim, release_claim, 
 from train.inner import InnerTrainer, evaluate
 from train.logs import setup_logging
 from train.model import WEIGHTS, load_weights_into, pick_device, quiet_transformers
-from train.store import PROTOCOL_VERSION, ProtocolError, atomic_write_json, read_json, wait_for, write_manifest
+from train.store import (PROTOCOL_VERSION, ProtocolError, atomic_write_json, exclusive_lock, read_json, wait_for,
+                         write_manifest)
 from train.tensorio import StreamingWriter, read_header
 from train.worker import Heartbeat
 
@@ -139,6 +140,9 @@ class EDTWorker:
     def __init__(self, cfg: RunConfig, worker_id: int):
         if worker_id < 0:
             raise ConfigError(f"--worker {worker_id}: must be >= 0")
+        if cfg.inner.nproc_per_node > 1:
+            raise ConfigError(f"inner.nproc_per_node = {cfg.inner.nproc_per_node}: EDT workers run one process each "
+                              f"(torchrun groups are for DiLoCo workers); start one EDT worker per GPU instead")
         self.cfg, self.w = cfg, worker_id
         self.paths = EDTPaths(cfg.run_dir)
         self.poll = cfg.outer.poll_interval_s
@@ -148,15 +152,7 @@ class EDTWorker:
 
     def lock(self) -> None:
         """One live process per worker id (flock on workers/wXXX/lock, held until exit)."""
-        import fcntl
-
-        path = self.paths.worker_dir(self.w) / "lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_f = open(path, "a+")
-        try:
-            fcntl.flock(self._lock_f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ProtocolError(f"EDT worker {self.w} is already running (lock {path}); stop it first") from None
+        self._lock_f = exclusive_lock(self.paths.worker_dir(self.w) / "lock", f"EDT worker {self.w}")
 
     def setup(self) -> None:
         cfg, paths = self.cfg, self.paths

@@ -38,6 +38,30 @@ class ProtocolError(RuntimeError):
     """BASE_DIR holds something this version cannot use (other protocol, changed run identity, corrupt file)."""
 
 
+def exclusive_lock(path: str | os.PathLike, what: str):
+    """Hold an exclusive flock on `path` (NFSv4 maps it to a byte-range lock) until the returned file is closed or
+    the process exits: one live process per role (`what`, e.g. "worker 3", "the coordinator"). The holder's pid and
+    host are written into the file for the error message of the next one."""
+    import fcntl
+    import socket
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "pid ?"
+        f.close()
+        raise ProtocolError(f"{what} is already running ({holder}, lock {path}); stop it first") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.flush()
+    return f
+
+
 # -- atomic files ---------------------------------------------------------------------------------------------------
 def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")

@@ -38,7 +38,8 @@ from train.dist import (DistInfo, RankBatches, broadcast_full, broadcast_json, c
 from train.inner import InnerTrainer
 from train.logs import setup_logging
 from train.model import WEIGHTS, load_weights_into, quiet_transformers
-from train.store import (PROTOCOL_VERSION, ProtocolError, RunPaths, atomic_write_json, read_json, wait_for)
+from train.store import (PROTOCOL_VERSION, ProtocolError, RunPaths, atomic_write_json, exclusive_lock, read_json,
+                         wait_for)
 from train.tensorio import DTYPE_BY_NAME, StreamingWriter, iter_tensors, read_header, save_streaming
 
 log = logging.getLogger("worker")
@@ -113,23 +114,8 @@ class Worker:
                                 f"{PROTOCOL_VERSION}")
 
     def lock(self) -> None:
-        """One live process per worker id: an exclusive lock on workers/wXXX/lock (flock; NFSv4 maps it to a
-        byte-range lock), held until the process exits."""
-        import fcntl
-
-        path = self.paths.worker_dir(self.w) / "lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_f = open(path, "a+")
-        try:
-            fcntl.flock(self._lock_f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_f.seek(0)
-            raise ProtocolError(f"worker {self.w} is already running ({self._lock_f.read().strip() or 'pid ?'}, "
-                                f"lock {path}); stop it first") from None
-        self._lock_f.seek(0)
-        self._lock_f.truncate()
-        self._lock_f.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        self._lock_f.flush()
+        """One live process per worker id: an exclusive lock on workers/wXXX/lock, held until the process exits."""
+        self._lock_f = exclusive_lock(self.paths.worker_dir(self.w) / "lock", f"worker {self.w}")
 
     def setup(self) -> None:
         cfg = self.cfg
