@@ -46,13 +46,14 @@ def test_make_specialists_resumes_and_reports(tmp_path):
     assert torch.equal(_weights(again["sort"])[name], srt[name])
 
 
-def test_cli_fast(tmp_path):
+def test_cli_fast_parallel_jobs(tmp_path):
     out = tmp_path / "cli"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_specialists.py"), "--out", str(out), "--fast",
-                        "--tasks", "reverse", "--model-config", str(MICRO), "--eval-items", "2"],
+                        "--tasks", "reverse", "sort", "--jobs", "2", "--model-config", str(MICRO), "--eval-items", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "| reverse |" in r.stdout and (out / "reverse" / "MANIFEST.json").is_file()
+    assert "| reverse |" in r.stdout and "| sort |" in r.stdout  # two specialists trained in parallel processes
+    assert all((out / m / "MANIFEST.json").is_file() for m in ("base", "reverse", "sort"))
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "make_specialists.py"), "--out", str(out),
                           "--model-config", str(tmp_path / "nope.json")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "error:" in bad.stderr

@@ -8,11 +8,17 @@ All specialists share the base's weights as their starting point, which is what 
 ties, slerp, ...) needs to combine them. Each model is a HF model directory (with the tokenizer and its chat
 template) written atomically with a manifest; a finished one is skipped, so rerunning resumes. `accuracy.json` and
 `accuracy.md` hold the exact-match accuracy of every model on every task's fixed held-out items.
+
+Defaults, measured on the tiny Llama (configs/tiny-llama.json, 1 thread per process): base 150 steps, specialists
+600 steps each, batch 64, lr 3e-3 cosine to 0.3x (a higher lr, 5e-3 or 1e-2, stalls; batch 32 or a full cosine
+decay within 400 steps left addition near 10%). About 8 CPU-minutes in all; held-out exact match: base 0/0/1%,
+each specialist 98% (addition), 69% (reverse), 100% (sort) on its own task and 0% on the others.
 """
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -34,20 +40,31 @@ def _finished(d: Path) -> bool:
         return False
 
 
-def _sft_phase(model, tokenizer, sources: dict, steps: int, lr: float, batch_size: int, max_length: int, seed: int,
-               desc: str, progress: bool) -> dict:
+@dataclass
+class SFTPlan:
+    """Hyperparameters of one demo fine-tune (the defaults: measured on the tiny Llama, see make_specialists)."""
+    steps: int
+    lr: float = 3e-3
+    batch_size: int = 64
+    min_lr_ratio: float = 0.3  # cosine to lr * 0.3: the tasks are learnt late (a phase change), so keep lr up
+    max_length: int = 48
+    seed: int = 0
+
+
+def _sft_phase(model, tokenizer, sources: dict, plan: SFTPlan, desc: str, progress: bool, bar_pos: int = 0) -> dict:
     from tqdm import tqdm
 
-    mixture = SFTMixture(sources, {n: 1.0 for n in sources}, tokenizer, max_length, seed=seed)
-    with tqdm(total=steps, desc=desc, unit="step", disable=not progress, dynamic_ncols=True) as bar:
+    mixture = SFTMixture(sources, {n: 1.0 for n in sources}, tokenizer, plan.max_length, seed=plan.seed)
+    with tqdm(total=plan.steps, desc=desc, unit="step", disable=not progress, dynamic_ncols=True,
+              position=bar_pos) as bar:
         def on_step(i: int, loss: float) -> None:
             bar.update(1)
-            if i % 10 == 0 or i == steps - 1:
+            if i % 10 == 0 or i == plan.steps - 1:
                 bar.set_postfix(loss=f"{loss:.3f}")
-        stats = train_sft(model, mixture, steps, lr, batch_size=batch_size, warmup=max(1, steps // 20),
-                          on_step=on_step)
+        stats = train_sft(model, mixture, plan.steps, plan.lr, batch_size=plan.batch_size,
+                          warmup=max(1, plan.steps // 20), min_lr_ratio=plan.min_lr_ratio, on_step=on_step)
     stats.pop("optimizer_state", None)
-    return stats
+    return {**asdict(plan), **stats}
 
 
 def _save(model, tokenizer, out: Path, stats: dict) -> None:
@@ -64,13 +81,28 @@ def _save(model, tokenizer, out: Path, stats: dict) -> None:
         raise
 
 
+def _train_specialist(base_dir: Path, out: Path, task: str, items: list[dict], plan: SFTPlan, progress: bool,
+                      bar_pos: int = 0, threads: int = 0) -> None:
+    """One specialist: the base, fine-tuned on `task` only. A top-level function, so a process pool can run it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(plan.seed)
+    tokenizer = ensure_chat_template(AutoTokenizer.from_pretrained(str(base_dir)))
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    stats = _sft_phase(model, tokenizer, {task: items}, plan, f"specialist {task}", progress, bar_pos)
+    _save(model, tokenizer, out, {"role": "specialist", "task": task, "from": "base", **stats})
+
+
 def make_specialists(out_dir: str | Path, tasks: tuple[str, ...] | list[str] = tuple(TASKS), *,
-                     base_steps: int = 150, steps: int = 400, batch_size: int = 32, lr: float = 3e-3,
-                     base_lr: float | None = None, train_items: int = 4000, eval_items: int = 100,
+                     base_steps: int = 150, steps: int = 600, batch_size: int = 64, lr: float = 3e-3,
+                     min_lr_ratio: float = 0.3, train_items: int = 4000, eval_items: int = 100,
                      max_length: int = 48, seed: int = 0, model_config: str | Path | None = None,
-                     tokenizer_dir: str | Path | None = None, progress: bool = True,
+                     tokenizer_dir: str | Path | None = None, jobs: int = 1, progress: bool = True,
                      evaluate: bool = True) -> dict[str, Path]:
     """Build (or resume) `out_dir/base` and `out_dir/<task>` for each task; returns {"base": path, task: path}.
+    `jobs` > 1 trains that many specialists at once in separate processes (1 torch thread each).
     With `evaluate`, also writes out_dir/accuracy.json and accuracy.md (see `accuracy_table`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -85,26 +117,29 @@ def make_specialists(out_dir: str | Path, tasks: tuple[str, ...] | list[str] = t
     tokenizer = ensure_chat_template(AutoTokenizer.from_pretrained(str(tokenizer_dir or REPO / "data" / "tokenizer")))
     sources = {t: task_items(t, train_items, "train", seed) for t in tasks}
     paths = {"base": out / "base", **{t: out / t for t in tasks}}
+    plan = dict(lr=lr, batch_size=batch_size, min_lr_ratio=min_lr_ratio, max_length=max_length)
 
     if not _finished(paths["base"]):
         torch.manual_seed(seed)
-        cfg = AutoConfig.from_pretrained(str(model_config))
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        stats = _sft_phase(model, tokenizer, sources, base_steps, base_lr or lr, batch_size, max_length, seed,
-                           "base (all tasks)", progress)
-        _save(model, tokenizer, paths["base"], {"role": "base", "tasks": list(tasks), "lr": base_lr or lr,
-                                                "batch_size": batch_size, "seed": seed, **stats})
-    for k, t in enumerate(tasks):
-        if _finished(paths[t]):
-            continue
-        torch.manual_seed(seed + 1 + k)
-        model = AutoModelForCausalLM.from_pretrained(str(paths["base"]), dtype=torch.float32)
-        stats = _sft_phase(model, tokenizer, {t: sources[t]}, steps, lr, batch_size, max_length, seed + 1 + k,
-                           f"specialist {t}", progress)
-        _save(model, tokenizer, paths[t], {"role": "specialist", "task": t, "from": "base", "lr": lr,
-                                           "batch_size": batch_size, "seed": seed + 1 + k, **stats})
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_config)), dtype=torch.float32)
+        stats = _sft_phase(model, tokenizer, sources, SFTPlan(base_steps, seed=seed, **plan), "base (all tasks)",
+                           progress)
+        _save(model, tokenizer, paths["base"], {"role": "base", "tasks": list(tasks), **stats})
+    todo = [(k, t) for k, t in enumerate(tasks) if not _finished(paths[t])]
+    args = [(paths["base"], paths[t], t, sources[t], SFTPlan(steps, seed=seed + 1 + k, **plan), progress)
+            for k, t in todo]
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=mp.get_context("spawn")) as pool:
+            for fut in [pool.submit(_train_specialist, *a, bar_pos=i % jobs, threads=1) for i, a in enumerate(args)]:
+                fut.result()
+    else:
+        for a in args:
+            _train_specialist(*a)
     if evaluate:
-        accuracy_table(paths, tasks, eval_items, seed, out, tokenizer)
+        accuracy_table(paths, tasks, eval_items, seed, out, tokenizer, progress)
     return paths
 
 
@@ -134,7 +169,9 @@ def markdown_table(result: dict) -> str:
     lines = [f"Exact-match accuracy on {result['eval_items']} fixed held-out items per task (greedy, seed "
              f"{result['seed']})", "", "| model | " + " | ".join(tasks) + " | mean |",
              "|---|" + "---:|" * (len(tasks) + 1)]
-    for name, scores in result["accuracy"].items():
+    acc = result["accuracy"]
+    order = [m for m in ("base", *tasks) if m in acc] + sorted(m for m in acc if m not in ("base", *tasks))
+    for name, scores in ((m, acc[m]) for m in order):
         vals = [scores[t] for t in tasks]
         lines.append(f"| {name} | " + " | ".join(f"{v:.1%}" for v in vals) + f" | {sum(vals) / len(vals):.1%} |")
     return "\n".join(lines) + "\n"
