@@ -160,7 +160,9 @@ def main() -> None:
                          f"{peak['ours'] / peak['naive']:.2f}x", f"max |ours - naive| = {diff:.1e}"])
         print(f"model: {model_bytes / 1e6:.0f} MB float32; {args.threads} torch thread(s) on {os.cpu_count()} CPUs")
         print(table(rows, ["method", "variant", "wall (median)", "peak RSS (x model)", "RSS growth (x model)"]))
-        save_result("merge" + ("_small" if args.small else ""), record)
+        default_threads = args.threads == (os.cpu_count() or 1)
+        save_result("merge" + ("_small" if args.small else "") + ("" if default_threads else f"_threads{args.threads}"),
+                    record)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -146,7 +146,7 @@ def _task(numel, base: Source, xs: list[Source], weights, out: Tensor, chunk: in
     n = len(xs)
     dens = _densities(density, n)
     ranges = _ranges(numel, chunk)
-    cache: dict = {}  # a one-chunk tensor's deltas, computed once for both passes
+    cache: dict = {}  # a one-chunk tensor's deltas and their magnitudes, computed once for both passes
 
     def delta(i, s, e):
         if len(ranges) == 1:
@@ -155,6 +155,13 @@ def _task(numel, base: Source, xs: list[Source], weights, out: Tensor, chunk: in
             return cache[i]
         return xs[i](s, e) - base(s, e)
 
+    def magnitude(i, s, e):
+        if len(ranges) == 1:
+            if ("abs", i) not in cache:
+                cache["abs", i] = delta(i, s, e).abs()
+            return cache["abs", i]
+        return delta(i, s, e).abs()
+
     # pass 1 (ties): each δ_i's magnitude threshold; None = keep all, inf = prune all
     thr: list[float | None] = [None] * n
     if sparsify == "magnitude":
@@ -162,7 +169,7 @@ def _task(numel, base: Source, xs: list[Source], weights, out: Tensor, chunk: in
             k = int(d * numel)
             if d >= 1.0 or k >= numel:
                 continue
-            thr[i] = math.inf if k <= 0 else _kth_largest(lambda i=i: (delta(i, s, e).abs() for s, e in ranges), k)
+            thr[i] = math.inf if k <= 0 else _kth_largest(lambda i=i: (magnitude(i, s, e) for s, e in ranges), k)
     # pass 1 (DARE): L1 norms before / after the Bernoulli mask, then replay the same random stream in pass 2
     scale = [1.0] * n
     if sparsify == "random":
@@ -186,7 +193,7 @@ def _task(numel, base: Source, xs: list[Source], weights, out: Tensor, chunk: in
         for i, (w, d) in enumerate(zip(weights, dens)):
             di = delta(i, s, e)
             if sparsify == "magnitude" and thr[i] is not None:
-                di = di.masked_fill(di.abs() < thr[i], 0.0)
+                di = di.masked_fill(magnitude(i, s, e) < thr[i], 0.0)
             elif sparsify == "random" and d < 1.0:
                 di = di.masked_fill(torch.rand(e - s, generator=generator) >= d, 0.0)
                 di.mul_(scale[i] * w)
@@ -274,7 +281,7 @@ def _finite(x, what: str) -> float:
 class Recipe:
     """One merge: the method and its parameters (mergekit's names). JSON round-trip with to_dict / from_dict."""
     method: str                                   # linear | slerp | task_arithmetic | ties | dare_linear | dare_ties
-    weights: tuple[float, ...] | None = None      # one per model (None = equal); not for slerp
+    weights: tuple[float, ...] | None = None      # one per model (None = 1/n each); not for slerp
     density: float | tuple[float, ...] = 1.0      # ties / dare: fraction of each task vector kept, in [0, 1]
     t_curves: Mapping | None = None               # slerp: {filter: t or [t, ...]} (train.merge.t_for); None = 0.5
     normalize: bool | None = None                 # None = mergekit's default for the method (DEFAULT_NORMALIZE)

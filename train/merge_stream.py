@@ -5,10 +5,12 @@
 
 Reads: a model directory holds model.safetensors, or shards listed in model.safetensors.index.json. Tensors are read
 chunk by chunk (train.merge_methods.CHUNK elements) with os.preadv into buffers we own, deliberately not through
-safe_open's memory map: touched pages of a mapped file count in the process's RSS until the map closes, and
-mmap-reading three 150 MB models grew RSS by ~500 MB (tests/test_merge_stream.py's setting; reclaimable page
-cache, but what ru_maxrss and schedulers see); pread leaves those bytes in the page cache only. Working memory:
-the output tensor plus a few chunks per input (glibc is told to mmap blocks >= 1 MB, see limit_heap_retention).
+safe_open's memory map: touched pages of a mapped file count in the process's RSS until the map closes
+(reclaimable page cache, but what ru_maxrss and schedulers see); pread leaves those bytes in the page cache only.
+Working memory: the output tensor plus a few chunks per input, plus what glibc's heap keeps after frees. A ties
+merge of three 150 MB or three 300 MB models (largest tensor 16 MB) grows RSS by ~100-110 MB either way, ~60 MB live;
+mallopt(M_MMAP_THRESHOLD, 1 MB) cut the rest away but made a SmolLM2-135M ties merge 1.7x slower (page faults),
+so it is not done. mmap-reading the same 150 MB models instead grew RSS by ~500 MB.
 Writes: train.tensorio.StreamingWriter into a temp directory, MANIFEST.json, then one atomic rename (train.store).
 """
 from __future__ import annotations
@@ -34,21 +36,6 @@ WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 # small files copied from the first model next to the merged weights (config.json always)
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
-
-
-def limit_heap_retention(threshold: int = 1 << 20) -> bool:
-    """Make glibc serve allocations of ≥ `threshold` bytes with their own mmap, returned to the OS on free.
-
-    Why: glibc raises its mmap threshold dynamically (up to 32 MB) after the first large free, and from then on
-    serves chunk-sized buffers from the heap, where a merge's mix of 4 MB chunks and long-lived output tensors
-    (queued for the writer thread) fragments it: measured on a ties merge of 150 MB models, peak RSS grew by
-    ~160 MB above the working set without this, ~80 MB with it. Process-wide and permanent (it also disables the
-    dynamic adjustment), harmless for the GPU workers that run merges; a no-op off glibc. Returns whether it applied."""
-    try:
-        import ctypes
-        return bool(ctypes.CDLL(None).mallopt(-3, int(threshold)))  # -3 = M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
 
 
 class ModelFiles:
@@ -230,7 +217,6 @@ def merge_model_dirs(recipe: Recipe, model_dirs: Sequence[Path], out_dir: Path, 
     recipe.check_models(len(model_dirs), base_dir is not None)
     models, base = _open_all(model_dirs, Path(base_dir) if base_dir is not None and use_base else None)
     first, out_dir = models[0], Path(out_dir)
-    limit_heap_retention()
     specs = {}
     for n in first.order:
         dt = first.info[n][1]
