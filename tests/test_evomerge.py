@@ -134,7 +134,7 @@ def test_evomerge_three_specialists_two_generations_resume_after_sigkill(tmp_pat
     generation 1, rerun the same commands, and the run completes with the report."""
     models = [specialists[t] for t in TASKS]
     raw = evomerge_raw(tmp_path / "runs", models, base=specialists["base"])
-    raw["edt"]["mutation_steps"] = 40
+    raw["edt"]["mutation_steps"] = 150
     cfg = write_cfg(tmp_path, raw)
     paths = EDTPaths(tmp_path / "runs" / "t")
     logs = tmp_path / "logs"
@@ -147,16 +147,13 @@ def test_evomerge_three_specialists_two_generations_resume_after_sigkill(tmp_pat
 
     procs = start_all(1)
     try:
-        def training_in_gen1() -> bool:
-            try:
-                hb = read_json(paths.progress(0))
-            except (OSError, ValueError):
-                return False
-            return hb.get("status") == "training" and hb.get("generation") == 1 and hb.get("step", 0) >= 2
-        wait_until(training_in_gen1, 240, "generation 1 being mutated", procs[0])
+        # kill everything as soon as generation 1's jobs (the merged children) are committed: mid-generation
+        wait_until(lambda: paths.gen_committed(1).is_file(), 240, "generation 1 committed", procs[0])
         for p in procs:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(30)
+        published = sum(paths.has_result(1, m) for m in range(4))
+        assert not paths.done.exists() and published < 4, "the run finished before the kill: raise mutation_steps"
         procs = start_all(2)
         assert procs[0].wait(300) == 0, (logs / "coord-2.log").read_text()[-3000:]
         assert all(p.wait(60) == 0 for p in procs[1:])
@@ -179,7 +176,7 @@ def test_evomerge_three_specialists_two_generations_resume_after_sigkill(tmp_pat
             genome = read_json(paths.genome(1, r["member"]))  # the recipe that made the member round-trips
             assert genome["hyper"] == job["hyper"] == r["hyper"]
             assert Recipe.from_dict(genome["hyper"]["recipe"]).method == r["hyper"]["method"]
-            assert job["steps"] == 40
+            assert job["steps"] == 150
         if r["elite"]:
             assert r["fitness"] == max(p["fitness"] for p in r["parents"])  # carried unchanged: same score
     # the report: every parent and the final member, per task
