@@ -62,8 +62,12 @@ def test_multi_turn_labels_every_assistant_turn(tok):
     ids, labels = encode_sft(tok, item, 256)
     assert tok.decode([t for t in labels if t != IGNORE]) == "hello<|endoftext|>ciao<|endoftext|>"
     assert tok.decode(ids) == render(tok, item["messages"], False)
-    short_ids, short_labels = encode_sft(tok, item, 10)
-    assert short_ids == ids[:10] and short_labels == labels[:10]
+    cut = [i for i, t in enumerate(labels) if t != IGNORE][0] + 2  # keeps 2 answer tokens
+    short_ids, short_labels = encode_sft(tok, item, cut)
+    assert short_ids == ids[:cut] and short_labels == labels[:cut]
+    # a prompt longer than max_length: the end is kept, so the item still has its answer to learn
+    tail_ids, tail_labels = encode_sft(tok, item, 10)
+    assert tail_ids == ids[-10:] and tail_labels == labels[-10:] and any(t != IGNORE for t in tail_labels)
 
 
 def test_mixture_follows_weights_and_resumes(tok):
@@ -148,3 +152,13 @@ def test_lora_trains_adapters_then_merges_into_a_plain_model(tok):
     changed = {k for k in names if not torch.equal(after[k], base[k])}
     assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight", "up_proj.weight")) for k in changed)
     assert _heldout_loss(model, tok, items[:32]) < before - 0.5
+
+
+def test_batch_without_answer_tokens_gives_zero_loss_not_nan(tok):
+    model = micro_model()
+    batch = SFTMixture({"s": task_items("sort", 4, "train")}, {"s": 1.0}, tok, 64, seed=0).next_batch(2)
+    batch["labels"][:] = IGNORE
+    loss = sft_loss(model, batch)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

@@ -64,8 +64,9 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def encode_sft(tokenizer, item: dict, max_length: int) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of one item, cut to `max_length` tokens; labels are -100 except on assistant turns
-    (their text and end-of-turn token). Labels are aligned with input_ids (the loss shifts them)."""
+    """(input_ids, labels) of one item, cut to `max_length` tokens (its first ones; its last ones when the first
+    would hold no answer token); labels are -100 except on assistant turns (their text and end-of-turn token).
+    Labels are aligned with input_ids (the loss shifts them)."""
     msgs = to_messages(item)
     ids: list[int] = []
     labels: list[int] = []
@@ -86,6 +87,8 @@ def encode_sft(tokenizer, item: dict, max_length: int) -> tuple[list[int], list[
         ids += p_ids + a_ids + tail
         labels += [IGNORE] * len(p_ids) + a_ids + [IGNORE] * len(tail)
         done = full
+    if len(ids) > max_length and all(t == IGNORE for t in labels[:max_length]):
+        return ids[-max_length:], labels[-max_length:]  # a long prompt: keep its end and the last answer
     return ids[:max_length], labels[:max_length]
 
 
@@ -151,6 +154,8 @@ def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], reduction: 
     """Next-token cross-entropy on the labelled (answer) tokens: their mean, or their sum with reduction='sum'."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     logits, targets = logits[:, :-1], batch["labels"][:, 1:]
+    if reduction == "mean" and not bool((targets != IGNORE).any()):
+        return logits.sum() * 0.0  # no answer token in the batch: a zero loss (and gradient), not NaN
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
                            ignore_index=IGNORE, reduction=reduction)
 
