@@ -48,3 +48,14 @@ def table(rows: list[list], header: list[str]) -> str:
     lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
     lines += [fmt.format(*[str(c) for c in r]) for r in rows]
     return "\n".join(lines)
+
+
+def smollm_config(small: bool):
+    """A SmolLM2-135M-shaped LlamaConfig (538 MB in fp32); `small`: a quick check of a script itself."""
+    from transformers import LlamaConfig
+    if small:
+        return LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                       tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5)

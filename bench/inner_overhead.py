@@ -28,6 +28,18 @@ import torch
 import torch.nn.functional as F
 
 
+def bare_steps(model, opt, batches) -> None:
+    """The baseline: a bare PyTorch training loop (forward, loss, backward, clip, AdamW step) over `batches`."""
+    for batch in batches:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="configs/tiny-llama.json")
@@ -74,14 +86,7 @@ def main() -> None:
 
     def bare() -> float:
         t0 = time.perf_counter()
-        for batch in pre:
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            logits = bare_model(input_ids=inputs).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(bare_model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        bare_steps(bare_model, opt, pre)
         return args.steps * args.batch * args.seq / (time.perf_counter() - t0)
 
     def ours() -> float:
@@ -138,14 +143,7 @@ def group_bench(args) -> None:
     def bare() -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        for batch in pre:
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            logits = bare_model(input_ids=inputs).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(bare_model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        bare_steps(bare_model, opt, pre)
         dist.barrier()
         return args.steps * args.batch * args.seq / (time.perf_counter() - t0)  # the whole group's tokens
 

@@ -21,19 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import drop_caches, median, save_result, table, timed
+from common import drop_caches, median, save_result, smollm_config, table, timed
 
 import torch
-
-
-def smollm_config(small: bool):
-    from transformers import LlamaConfig
-    if small:  # a quick check of the script itself
-        return LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                       tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5)
 
 
 def setup_round(root: Path, n: int, small: bool):

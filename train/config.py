@@ -421,7 +421,7 @@ class RunConfig:
     def run_dir(self) -> Path:
         base = Path(os.path.expanduser(self.base_dir))
         if not base.is_absolute():
-            base = self.config_dir / base
+            base = Path(os.path.normpath(self.config_dir / base))  # configs/../runs -> runs
         return base / self.project_name
 
     @property

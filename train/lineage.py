@@ -53,7 +53,7 @@ def _save(fig, out: Path) -> None:
 
 def plot_lineage(records: list[dict], out: Path, title: str = "") -> None:
     """Generation on x, member slot on y; a line from each parent to its child (thick: elite carried); points
-    coloured by eval loss; mutated DNA drawn as a ring."""
+    coloured by eval loss (EvoMerge: by fitness); mutated DNA drawn as a ring."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -69,13 +69,17 @@ def plot_lineage(records: list[dict], out: Path, title: str = "") -> None:
             pg, pm = parse_member_id(p["id"])
             ax.plot([pg, r["generation"]], [pm, r["member"]], color="0.35" if r.get("elite") else "0.7",
                     lw=2.2 if r.get("elite") else 0.8, zorder=1)
-    losses = [r.get("eval_loss") for r in recs]
+    # Pretraining: colour by eval loss (what fitness ranks). EvoMerge: by fitness, the weighted task score.
+    by_fitness = any("scores" in r for r in recs)
+    key, cmap, label = (("fitness", "viridis_r", "fitness: weighted task score (darker = fitter)") if by_fitness
+                        else ("eval_loss", "viridis", "eval loss (darker = fitter)"))
+    losses = [r.get(key) for r in recs]
     ok = [(r, v) for r, v in zip(recs, losses) if isinstance(v, (int, float)) and math.isfinite(v)]
     if ok:
         sc = ax.scatter([r["generation"] for r, _ in ok], [r["member"] for r, _ in ok], c=[v for _, v in ok],
-                        cmap="viridis", s=60, zorder=2, edgecolors=["red" if r.get("mutated") else "none"
-                                                                        for r, _ in ok], linewidths=1.5)
-        fig.colorbar(sc, ax=ax, label="eval loss (darker = fitter)")
+                        cmap=cmap, s=60, zorder=2, edgecolors=["red" if r.get("mutated") else "none"
+                                                                   for r, _ in ok], linewidths=1.5)
+        fig.colorbar(sc, ax=ax, label=label)
     bad = [r for r, v in zip(recs, losses) if not (isinstance(v, (int, float)) and math.isfinite(v))]
     if bad:
         ax.scatter([r["generation"] for r in bad], [r["member"] for r in bad], marker="x", color="red", zorder=2,
