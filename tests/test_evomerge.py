@@ -188,3 +188,28 @@ def test_evomerge_three_specialists_two_generations_resume_after_sigkill(tmp_pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
     AutoModelForCausalLM.from_pretrained(str(paths.final))
     assert AutoTokenizer.from_pretrained(str(paths.final)).chat_template
+
+
+def test_lora_mutation_trains_merges_back_and_scores(tmp_path, specialists):
+    """The worker's mutation with evomerge.lora: adapters trained on the DNA's mix, merged into plain weights,
+    then scored on the fixed held-out items of every task."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from train.evomerge_mutate import EvoMergeMutation
+
+    cfg = build_config(evomerge_raw(tmp_path / "runs", [specialists[t] for t in TASKS],
+                                    lora={"r": 4, "alpha": 8}))
+    mutation = EvoMergeMutation(cfg, torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(specialists["addition"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    job = {"steps": 5, "position": {"sft": 7},
+           "hyper": {"inner_lr": 3e-3, "mix": {"addition": 0.0, "reverse": 1.0, "sort": 0.0}}}
+    out = mutation(model, job, 1, 0, lambda i, loss: None, tmp_path)
+    assert out["position"] == {"sft": 7 + 5 * cfg.inner.per_device_batch_size}
+    assert set(out["scores"]) == set(TASKS) and out["train_loss"] > 0 and out["eval_loss"] > 0
+    assert out["task_fitness"] == pytest.approx(sum(out["scores"].values()))
+    assert not any("lora" in n for n, _ in model.named_parameters())  # a plain model again
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if "proj" in n)
+    again = EvoMergeMutation(cfg, torch.device("cpu"))  # another worker: the very same held-out items
+    assert again.items == mutation.items
