@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from train.cli import overrides_from
-    from train.config import ConfigError, load_machines
+    from train.config import ConfigError
+    from train.machines import load_machines
     from train.launcher import Launcher, fail
     from train.ssh import SSHError, SSHOptions
 

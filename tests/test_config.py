@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, tiny_config
-from train.config import (LEGACY_KEYS, ConfigError, Machine, RunConfig, build_config, load_config, load_machines,
-                          reference_markdown)
+from train.config import LEGACY_KEYS, ConfigError, RunConfig, build_config, load_config, reference_markdown
+from train.machines import Machine, load_machines
 
 
 def _write(path: Path, obj) -> Path:

@@ -22,7 +22,8 @@ import pytest
 from conftest import REPO, tiny_config
 from helpers_proc import wait_until
 from sshd_fixture import HOSTS, free_port, new_key, skip_reason, start_sshd
-from train.config import ConfigError, load_machines
+from train.config import ConfigError
+from train.machines import load_machines
 from train.launcher import STRATEGIES, Launcher, shell_line
 from train.remote import group_members, records, state_of
 from train.ssh import HostKeyError, SSHError, SSHOptions, connect

@@ -55,7 +55,8 @@ def test_worker_refuses_a_group_size_other_than_the_config(write_config, monkeyp
 
 
 def test_launcher_starts_torchrun_groups_on_gpu_groups(tmp_path):
-    from train.config import ConfigError, load_machines
+    from train.config import ConfigError
+    from train.machines import load_machines
     from train.launcher import Launcher
     from train.ssh import SSHOptions
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from train.config import REPO_ROOT, ConfigError, Machine, load_config
+from train.config import REPO_ROOT, ConfigError, load_config
+from train.machines import Machine
 from train.procs import worker_argv
 from train.remote import MARK, code_fingerprint
 from train.ssh import CommandTimeout, Connection, SSHError, SSHOptions, connect, parallel

@@ -28,7 +28,7 @@ from typing import Callable
 
 import paramiko
 
-from train.config import Machine
+from train.machines import Machine
 
 USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
 MAX_CHANNELS = 8  # concurrent commands per connection (OpenSSH's MaxSessions defaults to 10)
