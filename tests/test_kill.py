@@ -124,6 +124,7 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
     assert paths.latest_committed() == 0 and not paths.committed(1).exists()
     assert not paths.global_dir(1).exists()
     monkeypatch.setattr(co_mod, "outer_step_tensor", real)
+    co.close()  # the crashed coordinator's process is gone, and its lock with it
 
     # A commit that wrote everything but the marker (killed just before it) is redone too.
     co2 = Coordinator(cfg, progress=False)
@@ -131,6 +132,7 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
     co2.run_round(0)
     first = load_tensors(paths.global_dir(1) / "model.safetensors")
     paths.committed(1).unlink()
+    co2.close()
     co3 = Coordinator(cfg, progress=False)
     co3.setup()
     co3.run_round(0)

@@ -220,7 +220,14 @@ class Coordinator:
         bar.close()
         self.finalize()
         self.logger.close()
+        self.close()
         return last or (self._last_metrics() or {})
+
+    def close(self) -> None:
+        """Give up the coordinator role (its lock), as the end of the process does."""
+        if getattr(self, "_lock_f", None) is not None:
+            self._lock_f.close()
+            self._lock_f = None
 
     def finalize(self) -> None:
         """final/ = the last global model + tokenizer (from_pretrained-loadable), and loss.png."""

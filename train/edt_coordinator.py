@@ -313,7 +313,14 @@ class EDTCoordinator:
         bar.close()
         self.finalize(g, members)
         self.logger.close()
+        self.close()
         return rec
+
+    def close(self) -> None:
+        """Give up the coordinator role (its lock), as the end of the process does."""
+        if getattr(self, "_lock_f", None) is not None:
+            self._lock_f.close()
+            self._lock_f = None
 
     def plots(self) -> None:
         if self.cfg.logging.plot:
