@@ -55,8 +55,6 @@ def base_hyper(cfg: RunConfig) -> dict[str, float]:
 
 
 def steps_per_mutation(cfg: RunConfig) -> int:
-    if cfg.edt.mode == "evomerge" and not cfg.evomerge.datasets:
-        return 0  # no SFT data: evolution of the merges alone
     return cfg.edt.mutation_steps or cfg.outer.local_steps
 
 
@@ -102,7 +100,7 @@ def write_initial_population(cfg: RunConfig, paths: EDTPaths) -> list[str]:
     start identical, as DiLoCo's workers do) with a random DNA. Returns the specs used."""
     P = population_size(cfg)
     specs = initial_specs(cfg, P)
-    genes = genes_of(cfg)
+    breeding = breeding_for(cfg)
     dna_rng = generation_rng(cfg.seed, 0, 1)
     shapes = None
     built: dict[str, object] = {}
@@ -114,13 +112,12 @@ def write_initial_population(cfg: RunConfig, paths: EDTPaths) -> list[str]:
             raise ConfigError(f"edt.initial_population: {spec!r} has another architecture than {specs[0]!r}; "
                               f"crossover needs every member to have the same tensor names and shapes")
         shapes = sh
-        dna = fit_dna(random_dna(genes, dna_rng), genes, dna_rng)
+        dna = fit_dna(random_dna(breeding.genes, dna_rng), breeding.genes, dna_rng)
         genome = {"id": member_id(0, m), "generation": 0, "member": m, "parents": [], "origin": spec,
                   "kind": model_source(cfg, spec)[0], "dna": dna, "mutated": False, "elite": False,
-                  "hyper": hyper_of(cfg, dna, 0, m)}
+                  "hyper": breeding.hyper(dna, 0, m)}
         job = job_record(cfg, 0, m, genome, {"own": 0, "mix": 0}, None)
-        if cfg.edt.mode == "evomerge" and not cfg.evomerge.train_initial:
-            job["steps"] = 0  # the fine-tunes as given: the baseline the merges are measured against
+        job["steps"] = breeding.steps(0, elite=False)
         publish_job(paths, 0, m, lambda tmp, model=model: model.save_pretrained(str(tmp), safe_serialization=True),
                     job)
     log.info("generation 0: %d members from %s", P, sorted(set(specs)))
@@ -140,38 +137,50 @@ def assign_slots(pairs: list[tuple[int, int]], pool: list[Member], P: int) -> li
     return [s if s is not None else next(free) for s in slots]
 
 
-def genes_of(cfg: RunConfig) -> dict:
-    """The DNA's genes and their ranges: edt.genes (pretrain) or the recipe genes (evomerge)."""
+class PretrainBreeding:
+    """What a DNA means and how a child's weights are made in evolutionary pretraining (edt.mode = pretrain).
+    The same interface as train.evomerge.EvoMergeBreeding (post-training), which `breeding_for` picks instead."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.genes = cfg.edt.genes  # gene -> [low, high]
+
+    def hyper(self, dna: dict, g: int, m: int) -> dict:
+        """The hyperparameters a DNA selects."""
+        return decode(dna, self.cfg.edt.genes, base_hyper(self.cfg))
+
+    def origin(self, hyper: dict, elite: bool) -> str:
+        return self.cfg.edt.crossover
+
+    def steps(self, g: int, elite: bool) -> int:
+        """Mutation steps of a job (every member of every generation trains)."""
+        return steps_per_mutation(self.cfg)
+
+    def fill(self, g: int, a: Member, b: Member, hyper: dict, elite: bool, stats: dict) -> Callable[[Path], str]:
+        """The child's weights by the configured crossover (an elite: a one-worker outer step with itself)."""
+        cfg = self.cfg
+        spec = MergeSpec(cfg.edt.crossover, cfg.edt.t_curves, hyper["outer_lr"], hyper["outer_momentum"],
+                         cfg.outer.nesterov)
+
+        def fill(tmp: Path) -> str:
+            for fname in ("config.json", "generation_config.json"):
+                if (a.dir / fname).is_file():
+                    shutil.copy2(a.dir / fname, tmp / fname)
+            io = merge_files(spec, a.files(), b.files(), tmp / WEIGHTS, tmp / "outer_momentum.safetensors")
+            if not io["finite"]:
+                log.warning("generation %d: child of %s x %s has non-finite weights", g, a.id, b.id)
+            stats["bytes_read"] += io["bytes_read"]
+            stats["bytes_written"] += io["bytes_written"]
+            return io["sha256"]
+        return fill
+
+
+def breeding_for(cfg: RunConfig):
+    """The mode's breeding strategy (PretrainBreeding or train.evomerge.EvoMergeBreeding)."""
     if cfg.edt.mode == "evomerge":
-        from train.evomerge import evomerge_genes
-        return evomerge_genes(cfg)
-    return cfg.edt.genes
-
-
-def hyper_of(cfg: RunConfig, dna: dict, g: int, m: int) -> dict:
-    """What a DNA selects: the hyperparameters (pretrain) or the merge recipe + SFT mix + lr (evomerge)."""
-    if cfg.edt.mode == "evomerge":
-        from train.evomerge import decode_evomerge
-        return decode_evomerge(dna, cfg, g, m)
-    return decode(dna, cfg.edt.genes, base_hyper(cfg))
-
-
-def _pretrain_fill(cfg: RunConfig, g: int, a: Member, b: Member, hyper: dict, stats: dict) -> Callable[[Path], str]:
-    """The child's weights by the configured crossover (an elite: one-worker outer step with itself)."""
-    spec = MergeSpec(cfg.edt.crossover, cfg.edt.t_curves, hyper["outer_lr"], hyper["outer_momentum"],
-                     cfg.outer.nesterov)
-
-    def fill(tmp: Path) -> str:
-        for fname in ("config.json", "generation_config.json"):
-            if (a.dir / fname).is_file():
-                shutil.copy2(a.dir / fname, tmp / fname)
-        io = merge_files(spec, a.files(), b.files(), tmp / WEIGHTS, tmp / "outer_momentum.safetensors")
-        if not io["finite"]:
-            log.warning("generation %d: child of %s x %s has non-finite weights", g, a.id, b.id)
-        stats["bytes_read"] += io["bytes_read"]
-        stats["bytes_written"] += io["bytes_written"]
-        return io["sha256"]
-    return fill
+        from train.evomerge import EvoMergeBreeding
+        return EvoMergeBreeding(cfg)
+    return PretrainBreeding(cfg)
 
 
 def breed(cfg: RunConfig, paths: EDTPaths, g: int, pool: list[Member], positions: dict[int, dict]) -> dict:
@@ -186,7 +195,7 @@ def breed(cfg: RunConfig, paths: EDTPaths, g: int, pool: list[Member], positions
                          generation_rng(cfg.seed, g, 0))
     slots = assign_slots(pairs, pool, P)
     dna_rng = generation_rng(cfg.seed, g, 1)
-    genes = genes_of(cfg)
+    breeding = breeding_for(cfg)
     stats = {"bytes_read": 0, "bytes_written": 0, "pairs": {}}
     t0 = time.perf_counter()
     for k, ((ia, ib), slot) in enumerate(zip(pairs, slots)):
@@ -197,24 +206,17 @@ def breed(cfg: RunConfig, paths: EDTPaths, g: int, pool: list[Member], positions
         else:
             dna, mutated = mutate_dna(crossover_dna(a.genome["dna"], b.genome["dna"], dna_rng),
                                       ec.mutation_probability, ec.mutation_strength, dna_rng)
-        dna = fit_dna(dna, genes, dna_rng)
-        hyper = hyper_of(cfg, dna, g, slot)
+        dna = fit_dna(dna, breeding.genes, dna_rng)
+        hyper = breeding.hyper(dna, g, slot)
         genome = {"id": member_id(g, slot), "generation": g, "member": slot, "elite": elite, "dna": dna,
-                  "mutated": mutated, "hyper": hyper,
-                  "origin": ec.crossover if ec.mode == "pretrain" else ("elite" if elite else hyper["method"]),
+                  "mutated": mutated, "hyper": hyper, "origin": breeding.origin(hyper, elite),
                   "parents": [{"id": p.id, "path": paths.rel(p.dir), "fitness": p.fitness,
                                "eval_loss": p.result.get("eval_loss")} for p in (a, b)]}
         opt = a.dir / "optimizer.safetensors"
         job = job_record(cfg, g, slot, genome, positions[slot],
                          paths.rel(opt) if ec.inherit_optimizer and opt.is_file() else None)
-        if ec.mode == "evomerge":
-            from train.evomerge import evomerge_fill
-            if elite:
-                job["steps"] = 0  # an elite is carried unchanged: its fitness can only be matched, never lost
-            fill = evomerge_fill(cfg, g, a, b, hyper, elite, stats)
-        else:
-            fill = _pretrain_fill(cfg, g, a, b, hyper, stats)
-        publish_job(paths, g, slot, fill, job)
+        job["steps"] = breeding.steps(g, elite)
+        publish_job(paths, g, slot, breeding.fill(g, a, b, hyper, elite, stats), job)
         stats["pairs"][member_id(g, slot)] = [a.id, b.id]
     stats["crossover_s"] = round(time.perf_counter() - t0, 3)
     return stats

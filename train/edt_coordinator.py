@@ -49,7 +49,7 @@ class EDTCoordinator:
         self.paths = EDTPaths(cfg.run_dir)
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
-        self.P, self.S, self.G = population_size(cfg), steps_per_mutation(cfg), cfg.edt.max_generations
+        self.P, self.G = population_size(cfg), cfg.edt.max_generations
         self.fitness = fitness_function(cfg.edt.fitness)
         self._ready = False
 
@@ -372,7 +372,8 @@ def config_summary(cfg: RunConfig) -> str:
         em = cfg.evomerge
         return (f"{cfg.project_name}: EvoMerge of {len(set(ec.initial_population))} models, population "
                 f"{population_size(cfg)} x {ec.max_generations} generations, methods {', '.join(em.merge_methods)}, "
-                f"SFT {steps_per_mutation(cfg)} steps on {sorted(em.datasets) or 'nothing'}, fitness "
+                f"mutation: {f'SFT {steps_per_mutation(cfg)} steps on {sorted(em.datasets)}' if em.datasets else 'none'}"
+                f", fitness "
                 f"{[t['name'] for t in em.tasks]}, {cfg.outer.num_workers} workers -> {cfg.run_dir}")
     return (f"{cfg.project_name}: EDT population {population_size(cfg)} x {ec.max_generations} generations x "
             f"{steps_per_mutation(cfg)} steps, {cfg.outer.num_workers} workers, crossover {ec.crossover}, "

@@ -138,33 +138,57 @@ def check_population(cfg: RunConfig) -> dict:
     return check_compatible(dirs, base)
 
 
-def evomerge_fill(cfg: RunConfig, g: int, a, b, hyper: dict, elite: bool, stats: dict) -> Callable[[Path], str | None]:
-    """Writes a child's model files into a job's temp dir: an elite's files as they are, else the merge of the
-    parents' (mutated) weights by the child's recipe, streaming tensor by tensor."""
-    from train.merge_methods import Recipe
-    from train.merge_stream import merge_model_dirs
-    from train.model import WEIGHTS
+class EvoMergeBreeding:
+    """edt_breed's breeding strategy in evomerge mode (the interface of edt_breed.PretrainBreeding): the recipe
+    genome, children by streaming merges, elites carried unchanged, generation 0 evaluated as given."""
 
-    def fill(tmp: Path) -> str | None:
-        if elite:
-            for f in ("config.json", "generation_config.json", WEIGHTS):
-                if (a.dir / f).is_file():
-                    shutil.copy2(a.dir / f, tmp / f)
-            stats["bytes_read"] += (a.dir / WEIGHTS).stat().st_size
-            stats["bytes_written"] += (a.dir / WEIGHTS).stat().st_size
-            return None
-        out = tmp / "merged"
-        io = merge_model_dirs(Recipe.from_dict(hyper["recipe"]), [a.dir, b.dir], out, base_dir=base_dir_of(cfg))
-        for f in out.iterdir():
-            if f.name != "MANIFEST.json":
-                f.rename(tmp / f.name)
-        shutil.rmtree(out)
-        if not io.get("finite", True):
-            log.warning("generation %d: merge of %s x %s has non-finite weights", g, a.id, b.id)
-        stats["bytes_read"] += io["bytes_read"]
-        stats["bytes_written"] += io["bytes_written"]
-        return io["sha256"]
-    return fill
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.genes = evomerge_genes(cfg)
+
+    def hyper(self, dna: dict, g: int, m: int) -> dict:
+        return decode_evomerge(dna, self.cfg, g, m)
+
+    def origin(self, hyper: dict, elite: bool) -> str:
+        return "elite" if elite else hyper["method"]
+
+    def steps(self, g: int, elite: bool) -> int:
+        """SFT steps of a job: none for an elite (carried unchanged: its fitness can only be matched, never lost),
+        none for generation 0 unless evomerge.train_initial (the fine-tunes as given are the baseline), none
+        without evomerge.datasets (the merges alone evolve)."""
+        cfg = self.cfg
+        if elite or (g == 0 and not cfg.evomerge.train_initial) or not cfg.evomerge.datasets:
+            return 0
+        return cfg.edt.mutation_steps or cfg.outer.local_steps
+
+    def fill(self, g: int, a, b, hyper: dict, elite: bool, stats: dict) -> Callable[[Path], str | None]:
+        """Writes a child's model files into a job's temp dir: an elite's files as they are, else the merge of the
+        parents' (mutated) weights by the child's recipe, streaming tensor by tensor."""
+        from train.merge_methods import Recipe
+        from train.merge_stream import merge_model_dirs
+        from train.model import WEIGHTS
+        cfg = self.cfg
+
+        def fill(tmp: Path) -> str | None:
+            if elite:
+                for f in ("config.json", "generation_config.json", WEIGHTS):
+                    if (a.dir / f).is_file():
+                        shutil.copy2(a.dir / f, tmp / f)
+                stats["bytes_read"] += (a.dir / WEIGHTS).stat().st_size
+                stats["bytes_written"] += (a.dir / WEIGHTS).stat().st_size
+                return None
+            out = tmp / "merged"
+            io = merge_model_dirs(Recipe.from_dict(hyper["recipe"]), [a.dir, b.dir], out, base_dir=base_dir_of(cfg))
+            for f in out.iterdir():
+                if f.name != "MANIFEST.json":
+                    f.rename(tmp / f.name)
+            shutil.rmtree(out)
+            if not io.get("finite", True):
+                log.warning("generation %d: merge of %s x %s has non-finite weights", g, a.id, b.id)
+            stats["bytes_read"] += io["bytes_read"]
+            stats["bytes_written"] += io["bytes_written"]
+            return io["sha256"]
+        return fill
 
 
 # -- the report ------------------------------------------------------------------------------------------------------
