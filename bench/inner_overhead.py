@@ -40,6 +40,19 @@ def bare_steps(model, opt, batches) -> None:
         opt.zero_grad(set_to_none=True)
 
 
+def interleaved(bare, ours, repeats: int, bare_name: str, ours_name: str, verbose: bool):
+    """One warm-up each, then `repeats` alternating measurements (tokens/s); the median per-pair ratio ours/bare
+    (pairs taken close in time cancel most of a noisy machine's drift)."""
+    bare(), ours()
+    b, o = [], []
+    for i in range(repeats):
+        b.append(bare())
+        o.append(ours())
+        if verbose:
+            print(f"  repeat {i + 1}: {bare_name} {b[-1]:.0f} tok/s, {ours_name} {o[-1]:.0f} tok/s", flush=True)
+    return b, o, median([x / y for x, y in zip(o, b)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="configs/tiny-llama.json")
@@ -95,13 +108,7 @@ def main() -> None:
                             lambda i, loss: hb.beat(status="training", round=0, step=i + 1, loss=loss))
         return args.steps * args.batch * args.seq / (time.perf_counter() - t0)
 
-    bare(), ours()  # warm-up
-    b, o = [], []
-    for i in range(args.repeats):
-        b.append(bare())
-        o.append(ours())
-        print(f"  repeat {i + 1}: bare {b[-1]:.0f} tok/s, ours {o[-1]:.0f} tok/s", flush=True)
-    ratio = median([x / y for x, y in zip(o, b)])
+    b, o, ratio = interleaved(bare, ours, args.repeats, "bare", "ours", verbose=True)
     print(table([["bare PyTorch loop", f"{median(b):.0f}"], ["our inner loop", f"{median(o):.0f}"],
                  ["ratio (target >= 0.97)", f"{ratio:.3f}"]],
                 [f"{args.model}, batch {args.batch}x{args.seq}", "tokens/s (median)"]))
@@ -155,15 +162,8 @@ def group_bench(args) -> None:
         dist.barrier()
         return args.steps * args.batch * args.seq / (time.perf_counter() - t0)
 
-    bare(), ours()  # warm-up
-    b, o = [], []
-    for i in range(args.repeats):
-        b.append(bare())
-        o.append(ours())
-        if info.main:
-            print(f"  repeat {i + 1}: bare DDP {b[-1]:.0f} tok/s, our worker group {o[-1]:.0f} tok/s", flush=True)
+    b, o, ratio = interleaved(bare, ours, args.repeats, "bare DDP", "our worker group", verbose=info.main)
     if info.main:
-        ratio = median([x / y for x, y in zip(o, b)])
         print(table([[f"{n} bare DDP processes", f"{median(b):.0f}"], [f"our {n}-process worker", f"{median(o):.0f}"],
                      ["ratio (target >= 0.97)", f"{ratio:.3f}"]],
                     [f"{args.model}, batch {args.batch}x{args.seq} over {n} gloo ranks", "tokens/s (median)"]))

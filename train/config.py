@@ -575,13 +575,19 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if path is None:
         return build_config({}, overrides)
     p = Path(path)
+    raw = read_json_file(p, "no such config file (copy evolution.json from the repo and edit it)")
+    return build_config(raw, overrides, source=str(p))
+
+
+def read_json_file(p: Path, missing: str) -> Any:
+    """A JSON file's contents; ConfigError naming the file when it is missing (`missing` says what to do) or
+    not valid JSON (line and column)."""
     if not p.is_file():
-        raise ConfigError(f"{p}: no such config file (copy evolution.json from the repo and edit it)")
+        raise ConfigError(f"{p}: {missing}")
     try:
-        raw = json.loads(p.read_text())
+        return json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
-    return build_config(raw, overrides, source=str(p))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.config import ConfigError, _bad, _coerce, _field_types, doc
+from train.config import ConfigError, _bad, _coerce, _field_types, doc, read_json_file
 
 @dataclass(kw_only=True)
 class Machine:
@@ -48,12 +48,7 @@ class Machine:
 def load_machines(path: str | os.PathLike) -> list[Machine]:
     """Load machines.json: a list of host strings (the prototype's format) or of objects with Machine fields."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such file (a JSON list of hosts, e.g. [\"gpu1\", \"gpu2\"])")
-    try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
+    raw = read_json_file(p, "no such file (a JSON list of hosts, e.g. [\"gpu1\", \"gpu2\"])")
     if isinstance(raw, dict) and "machines" in raw:
         raw = raw["machines"]
     if not isinstance(raw, list) or not raw:
