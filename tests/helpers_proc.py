@@ -1,6 +1,8 @@
 """Helpers for tests that run the real scripts as subprocesses."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,3 +30,11 @@ def wait_until(pred, timeout: float, what: str, proc: subprocess.Popen | None = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for: {what}")
         time.sleep(0.05)
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the process groups (start_script starts each in its own session) of those still running."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)

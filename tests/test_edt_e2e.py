@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from helpers_proc import run_script, start_script, wait_until
+from helpers_proc import kill_all, run_script, start_script, wait_until
 from train.edt_store import (EDTPaths, holds_claim, publish_once, renew_lease, requeue, stale_count,
                              tmp_member_dir, try_claim)
 from train.store import read_json, read_jsonl, verify_manifest
@@ -200,10 +199,7 @@ def test_sigkill_coordinator_and_a_worker_mid_generation_then_the_run_finishes(t
         assert coord.wait(240) == 0, (logs / "coord-2.log").read_text()[-3000:]
         assert workers[0].wait(60) == 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        kill_all(procs)
     recs = read_jsonl(paths.metrics)
     assert [r["generation"] for r in recs] == list(range(G))  # each generation logged once
     assert sum(r["requeued"] for r in recs) >= 1

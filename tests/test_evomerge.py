@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from helpers_proc import run_script, start_script, wait_until
+from helpers_proc import kill_all, run_script, start_script, wait_until
 from train.config import ConfigError, build_config
 from train.edt_store import EDTPaths
 from train.evolution import crossover_dna, generation_rng, mutate_dna, random_dna
@@ -158,10 +158,7 @@ def test_evomerge_three_specialists_two_generations_resume_after_sigkill(tmp_pat
         assert procs[0].wait(300) == 0, (logs / "coord-2.log").read_text()[-3000:]
         assert all(p.wait(60) == 0 for p in procs[1:])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        kill_all(procs)
     recs = read_jsonl(paths.metrics)
     assert [r["generation"] for r in recs] == [0, 1]
     lineage = read_jsonl(paths.lineage)
