@@ -50,3 +50,10 @@ def write_config(tmp_path):
         path.write_text(json.dumps(tiny_config(tmp_path / "runs", **sections), indent=1))
         return path
     return _write
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The embedded tokenizer (data/tokenizer)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(REPO / "data" / "tokenizer"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from helpers_proc import run_script, start_script, wait_until
+from helpers_proc import run_script, start_script
 from train.store import RunPaths, read_jsonl, verify_manifest
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,6 @@
 """Crash safety: SIGKILL a worker mid-round, or the coordinator mid-commit; the same command finishes the run."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal

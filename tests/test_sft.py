@@ -14,12 +14,6 @@ from train.tasks import task_items
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(REPO / "data" / "tokenizer"))
-
-
 def micro_model(seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(seed)

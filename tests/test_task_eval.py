@@ -16,12 +16,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(REPO / "data" / "tokenizer"))
-
-
-@pytest.fixture(scope="module")
 def memorised(tok):
     """A micro Llama trained until it answers 4 fixed items (of different lengths) by heart."""
     from transformers import AutoConfig, AutoModelForCausalLM

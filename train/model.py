@@ -97,13 +97,16 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def save_model_dir(model: torch.nn.Module, final_dir: Path, tokenizer=None) -> None:
-    """save_pretrained into a temp dir, write the manifest, then move it into place atomically."""
+def save_model_dir(model: torch.nn.Module, final_dir: Path, tokenizer=None, records: dict | None = None) -> None:
+    """save_pretrained into a temp dir (+ the tokenizer, + `records`: {file name: JSON object} written next to the
+    weights, so the manifest covers them), write the manifest, then move it into place atomically."""
     tmp = new_tmp_dir(final_dir)
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        for name, obj in (records or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=1))
         write_manifest(tmp)
         atomic_publish_dir(tmp, final_dir)
     except BaseException:

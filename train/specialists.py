@@ -18,16 +18,14 @@ and its task vectors were so large that every plain merge (average, task arithme
 """
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from train.sft import SFTMixture, ensure_chat_template, train_sft
-from train.store import (ProtocolError, atomic_publish_dir, atomic_write_bytes, atomic_write_json, new_tmp_dir,
-                         read_json, verify_manifest, write_manifest)
+from train.model import save_model_dir
+from train.store import ProtocolError, atomic_write_bytes, atomic_write_json, read_json, verify_manifest
 from train.task_eval import TaskSpec, evaluate_tasks, fixed_items
 from train.tasks import TASKS, task_items
 
@@ -69,20 +67,6 @@ def _sft_phase(model, tokenizer, sources: dict, plan: SFTPlan, desc: str, progre
     return {**asdict(plan), **stats}
 
 
-def _save(model, tokenizer, out: Path, stats: dict) -> None:
-    """The model directory with its training record (train.json inside, so the manifest covers it)."""
-    tmp = new_tmp_dir(out)
-    try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        atomic_write_bytes(tmp / "train.json", json.dumps(stats, indent=1).encode())
-        write_manifest(tmp)
-        atomic_publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _train_specialist(base_dir: Path, out: Path, task: str, items: list[dict], plan: SFTPlan, progress: bool,
                       bar_pos: int = 0, threads: int = 0) -> None:
     """One specialist: the base, fine-tuned on `task` only. A top-level function, so a process pool can run it."""
@@ -94,7 +78,7 @@ def _train_specialist(base_dir: Path, out: Path, task: str, items: list[dict], p
     tokenizer = ensure_chat_template(AutoTokenizer.from_pretrained(str(base_dir)))
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     stats = _sft_phase(model, tokenizer, {task: items}, plan, f"specialist {task}", progress, bar_pos)
-    _save(model, tokenizer, out, {"role": "specialist", "task": task, "from": "base", **stats})
+    save_model_dir(model, out, tokenizer, {"train.json": {"role": "specialist", "task": task, "from": "base", **stats}})
 
 
 def make_specialists(out_dir: str | Path, tasks: tuple[str, ...] | list[str] = tuple(TASKS), *,
@@ -128,7 +112,7 @@ def make_specialists(out_dir: str | Path, tasks: tuple[str, ...] | list[str] = t
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_config)), dtype=torch.float32)
         stats = _sft_phase(model, tokenizer, sources, SFTPlan(base_steps, seed=seed, **plan), "base (all tasks)",
                            progress)
-        _save(model, tokenizer, paths["base"], {"role": "base", "tasks": list(tasks), **stats})
+        save_model_dir(model, paths["base"], tokenizer, {"train.json": {"role": "base", "tasks": list(tasks), **stats}})
     todo = [(k, t) for k, t in enumerate(tasks) if not _finished(paths[t])]
     plan["lr"] = specialist_lr or lr
     args = [(paths["base"], paths[t], t, sources[t], SFTPlan(steps, seed=seed + 1 + k, **plan), progress)
