@@ -31,7 +31,7 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def main() -> int:
-    from train.cli import add_config_args, load_from_args
+    from train.cli import add_config_args, load_from_args, preflight
     from train.coordinator import Coordinator, config_summary
     from train.model import quiet_transformers
 
@@ -42,11 +42,12 @@ def main() -> int:
     cfg, _ = load_from_args(args)
     quiet_transformers()
     import logging
+    preflight(cfg)
     logging.getLogger("coordinator").info("%s", config_summary(cfg))
     Coordinator(cfg).run()
     return 0
 
 
 if __name__ == "__main__":
-    from train.cli import run_main
+    from train.errors import run_main
     run_main(main, "coordinator")

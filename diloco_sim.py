@@ -14,11 +14,11 @@ import os
 
 
 def main() -> int:
-    from train.cli import add_config_args, load_from_args
+    from train.cli import add_config_args, load_from_args, preflight
     from train.coordinator import Coordinator, config_summary
     from train.model import quiet_transformers
     from train.procs import LocalWorkers
-    from train.store import RunPaths
+    from train.store import RunPaths, prepare_run_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_args(ap)
@@ -28,10 +28,11 @@ def main() -> int:
     cfg, overrides = load_from_args(args)
     quiet_transformers()
     log = logging.getLogger("diloco_sim")
+    preflight(cfg)
     log.info("%s", config_summary(cfg))
     n = cfg.outer.num_workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // (n * cfg.inner.nproc_per_node))
-    paths = RunPaths(cfg.run_dir)
+    paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
     workers = LocalWorkers("train.worker", cfg.source if cfg.source != "<defaults>" else args.config, overrides, n,
                            [paths.worker_log(i) for i in range(n)], threads=threads, nproc=cfg.inner.nproc_per_node)
     workers.start()
@@ -49,5 +50,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from train.cli import run_main
+    from train.errors import run_main
     run_main(main, "diloco_sim")

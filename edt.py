@@ -41,7 +41,7 @@ def add_edt_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main() -> int:
-    from train.cli import load_from_args
+    from train.cli import load_from_args, preflight
     from train.edt_coordinator import EDTCoordinator, config_summary
     from train.model import quiet_transformers
 
@@ -52,11 +52,12 @@ def main() -> int:
     cfg, _ = load_from_args(args)
     quiet_transformers()
     import logging
+    preflight(cfg, "edt")
     logging.getLogger("edt-coordinator").info("%s", config_summary(cfg))
     EDTCoordinator(cfg).run()
     return 0
 
 
 if __name__ == "__main__":
-    from train.cli import run_main
+    from train.errors import run_main
     run_main(main, "edt-coordinator")

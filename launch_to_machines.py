@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from train.cli import overrides_from
-    from train.config import ConfigError
+    from train.errors import UserError
     from train.machines import load_machines
     from train.launcher import Launcher, fail
     from train.ssh import SSHError, SSHOptions
@@ -90,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "stop":
             return ln.stop(a.dry_run, a.grace)
         return ln.preflight(a.dry_run)
-    except (ConfigError, FileNotFoundError) as e:
+    except UserError as e:
         return fail(str(e))
+    except OSError as e:
+        if not getattr(e, "filename", None):
+            raise
+        return fail(f"{e.filename}: {e.strerror or e}")
     except SSHError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

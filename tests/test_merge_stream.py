@@ -45,10 +45,12 @@ def three(tmp_path_factory):
 
 RECIPES = [Recipe("linear", weights=(0.3, 0.9)), Recipe("slerp", t_curves={"self_attn": [0, 1], "default": 0.3}),
            Recipe("task_arithmetic", weights=(0.5, 0.8), lambda_=1.1), Recipe("ties", density=(0.3, 0.6)),
+           Recipe("ties", weights=(0.7, 0.5), density=0.5, consensus_method="count"),
            Recipe("dare_linear", density=0.5, seed=3), Recipe("dare_ties", weights=(1.0, 0.5), density=0.4)]
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.method)
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.method + ("-count" if r.consensus_method == "count"
+                                                                      else ""))
 def test_streamed_merge_equals_the_in_memory_merge(three, tmp_path, monkeypatch, recipe):
     monkeypatch.setattr(merge_methods, "CHUNK", 1000)  # the 2048×16 embedding spans 33 chunks
     a, b, base = three
@@ -151,6 +153,45 @@ def test_a_missing_tensor_a_different_tokenizer_and_a_non_model_dir_are_named(th
     summary = check_compatible([a, b])
     assert summary["names"][0] == "model.embed_tokens.weight" and summary["num_layers"] == 2
     assert summary["bytes"] == sum(t.numel() * 4 for t in weights(a).values())
+
+
+def test_a_streamed_ties_merge_keeps_exactly_k_of_tied_magnitudes_across_chunks(tmp_path, monkeypatch):
+    """Task vectors of ±0.5 only (every magnitude tied, as bf16 fine-tunes often are): each tensor keeps exactly
+    k = int(density · numel) entries, the first k in flat order, though the ties span many chunks."""
+    monkeypatch.setattr(merge_methods, "CHUNK", 100)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (64, 32), "model.layers.0.mlp.up_proj.weight": (48, 32),
+              "model.norm.weight": (32,)}
+    # multiples of 1/64: base ± 0.5 and its difference to the base are exact in float32, so the ties are real
+    base = {n: (torch.randn(shape, generator=g) * 64).round() / 64 for n, shape in shapes.items()}
+    delta = {n: torch.where(torch.rand(t.shape, generator=g) < 0.5, 0.5, -0.5) for n, t in base.items()}
+    for name, sd in (("base", base), ("x", {n: base[n] + delta[n] for n in base})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 64}))
+        save_streaming(tmp_path / name / "model.safetensors", sd)
+    merge_model_dirs(Recipe("ties", weights=(1.0,), density=0.3), [tmp_path / "x"], tmp_path / "out",
+                     base_dir=tmp_path / "base")
+    got = weights(tmp_path / "out")
+    for n, d in delta.items():
+        k = int(0.3 * d.numel())  # 614, 460, 9
+        flat = (got[n] - base[n]).reshape(-1)
+        assert int((flat != 0).sum()) == k, n
+        expect = d.reshape(-1).clone()
+        expect[k:] = 0  # one model: its own sign always agrees, divided by its weight 1
+        assert torch.allclose(flat, expect, atol=1e-6), n
+
+
+def test_a_ties_density_that_keeps_nothing_of_a_small_tensor_is_refused_before_any_read(three, tmp_path,
+                                                                                       monkeypatch):
+    from train import merge_stream
+    a, b, base = three
+    monkeypatch.setattr(merge_stream.ModelFiles, "source", lambda self, name: pytest.fail(f"read {name}"))
+    # int(0.05 · 16) = 0 for the 16-element norms of the micro Llama (the larger tensors keep k ≥ 1)
+    with pytest.raises(MergeError, match=r"keeps int\(0.05 × 16\) = 0 entries of tensor 'model\..*norm\.weight'"):
+        merge_model_dirs(Recipe("ties", density=0.05), [a, b], tmp_path / "out", base_dir=base)
+    with pytest.raises(MergeError, match=r"density 0.04 of model 1 keeps int\(0.04 × 16\) = 0"):
+        merge_model_dirs(Recipe("ties", density=(0.5, 0.04)), [a, b], tmp_path / "out", base_dir=base)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp*"))
 
 
 # -- memory ----------------------------------------------------------------------------------------------------------

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Callable
 
-from train.config import ConfigError, RunConfig, load_config
+from train.config import RunConfig, load_config
 
 # shortcut flag -> config key
 SHORTCUTS = {"workers": "outer.num_workers", "rounds": "outer.rounds", "local_steps": "outer.local_steps",
@@ -48,27 +46,19 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
     return out + list(args.set)
 
 
+def preflight(cfg: RunConfig, strategy: str = "diloco") -> None:
+    """Checks that fail in one line before any process starts or any file is written: the device, optional
+    packages the config asks for, and user plugins (edt.fitness). Workers on other hosts repeat the device check."""
+    from train.logs import check_metric_logger
+    from train.model import pick_device
+
+    pick_device(cfg.inner.device)
+    check_metric_logger(cfg.logging.metrics)
+    if strategy == "edt":
+        from train.evolution import fitness_function
+        fitness_function(cfg.edt.fitness)
+
+
 def load_from_args(args: argparse.Namespace) -> tuple[RunConfig, list[str]]:
     ovs = overrides_from(args)
     return load_config(args.config, ovs), ovs
-
-
-def run_main(fn: Callable[[], int | None], name: str) -> None:
-    """Run a script's body: config/protocol errors print one clear line (exit 2), Ctrl-C exits 130."""
-    from train.logs import setup_logging
-    from train.merge_methods import MergeError
-    from train.store import ProtocolError
-    from train.procs import WorkerDied
-
-    log = setup_logging(name)
-    try:
-        sys.exit(fn() or 0)
-    except (ConfigError, ProtocolError, FileNotFoundError, MergeError) as e:
-        log.error("%s", e)
-        sys.exit(2)
-    except WorkerDied as e:
-        log.error("%s", e)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        log.warning("interrupted: every child process was stopped; run the same command to resume")
-        sys.exit(130)

@@ -14,19 +14,39 @@ import logging
 import math
 import shutil
 import time
+
 import torch
 
 from train.config import RunConfig
 from train.data import TokenData, prepare_data
 from train.inner import evaluate
 from train.logs import make_metric_logger
-from train.model import (build_model, load_tokenizer, load_weights_into, pick_device, save_model_dir)
+from train.model import build_model, check_model_fits, load_tokenizer, load_weights_into, pick_device, save_model_dir
 from train.outer import outer_step_tensor
-from train.reduce import RejectedDelta  # noqa: F401  (re-exported: tests and tools catch it from here)
-from train.reduce import (arrived, check_sidecar, commit, param_order, prune_rounds, reduce_round,
-                          validate_and_reduce)
-from train.store import (PROTOCOL_VERSION, RunPaths, atomic_publish_dir, atomic_write_json, ensure_run_manifest,
-                         exclusive_lock, new_tmp_dir, read_json, read_jsonl, verify_manifest, write_manifest)
+from train.reduce import (
+    RejectedDelta,  # noqa: F401  (re-exported: tests and tools catch it from here)
+    arrived,
+    check_sidecar,
+    commit,
+    param_order,
+    prune_rounds,
+    reduce_round,
+    validate_and_reduce,
+)
+from train.store import (
+    PROTOCOL_VERSION,
+    RunPaths,
+    atomic_publish_dir,
+    atomic_write_json,
+    ensure_run_manifest,
+    exclusive_lock,
+    new_tmp_dir,
+    prepare_run_dir,
+    read_json,
+    read_jsonl,
+    verify_manifest,
+    write_manifest,
+)
 
 log = logging.getLogger("coordinator")
 
@@ -41,7 +61,7 @@ def run_identity(cfg: RunConfig) -> dict:
 class Coordinator:
     def __init__(self, cfg: RunConfig, progress: bool = True, monitor=None):
         self.cfg = cfg
-        self.paths = RunPaths(cfg.run_dir)
+        self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
 
@@ -50,14 +70,12 @@ class Coordinator:
         cfg, paths = self.cfg, self.paths
         # one coordinator per run: a second one (a forgotten `diloco.py`, a second launch) would race on commits
         self._lock_f = exclusive_lock(paths.root / "coordinator.lock", "the coordinator")
-        ensure_run_manifest(paths, run_identity(cfg))
-        atomic_write_json(paths.config_json, cfg.to_dict())
+        # every check a user can fail comes before the run's identity is written (a fixed config then starts clean)
         self.tokenizer = load_tokenizer(cfg) if not cfg.data.fake_data or cfg.model.tokenizer else None
         model = build_model(cfg)
-        vocab = model.get_input_embeddings().weight.shape[0]
-        if self.tokenizer is not None and len(self.tokenizer) > vocab:
-            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary is {vocab}:"
-                             f" set vocab_size >= {len(self.tokenizer)} in the model config")
+        vocab = check_model_fits(cfg, model, self.tokenizer)
+        ensure_run_manifest(paths, run_identity(cfg))
+        atomic_write_json(paths.config_json, cfg.to_dict())
         data_dir = prepare_data(cfg, self.tokenizer, vocab, progress=self.progress)
         atomic_write_json(paths.data / "current.json", {"key": data_dir.name})
         self.data = TokenData.open(data_dir, cfg.data.seq_length, cfg.data.eval_fraction)

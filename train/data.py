@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from train.errors import DataError, NotFound
 from train.config import RunConfig
 from train.store import atomic_write_json, read_json, wait_for
 
@@ -34,20 +35,20 @@ def _local_files(cfg: RunConfig) -> list[str] | None:
     if any(ch in spec for ch in "*?["):
         files = sorted(glob.glob(spec, recursive=True))
         if not files:
-            raise FileNotFoundError(f"data.dataset = {cfg.data.dataset!r}: the pattern matches no file")
+            raise NotFound(f"data.dataset = {cfg.data.dataset!r}: the pattern matches no file")
     elif os.path.isdir(spec):
         files = sorted(str(p) for p in Path(spec).rglob("*") if p.suffix in LOCAL_EXTS and p.is_file())
         if not files:
-            raise FileNotFoundError(f"data.dataset = {spec}: no {'/'.join(LOCAL_EXTS)} files in this folder")
+            raise NotFound(f"data.dataset = {spec}: no {'/'.join(LOCAL_EXTS)} files in this folder")
     elif os.path.isfile(spec):
         files = [spec]
     elif spec.startswith((".", "/", "~")) or Path(spec).suffix in LOCAL_EXTS:
-        raise FileNotFoundError(f"data.dataset = {cfg.data.dataset!r}: no such file or folder")
+        raise NotFound(f"data.dataset = {cfg.data.dataset!r}: no such file or folder")
     else:
         return None
     kinds = {LOCAL_EXTS.get(Path(f).suffix) for f in files}
     if None in kinds or len(kinds) != 1:
-        raise ValueError(f"data.dataset = {cfg.data.dataset!r}: mixes or contains unsupported file types "
+        raise DataError(f"data.dataset = {cfg.data.dataset!r}: mixes or contains unsupported file types "
                          f"({sorted({Path(f).suffix for f in files})}); use one of {sorted(LOCAL_EXTS)}")
     return files
 
@@ -85,12 +86,13 @@ def _iter_texts(cfg: RunConfig):
         try:
             ds = load_dataset(d.dataset, d.dataset_config, split=d.split, streaming=True)
         except Exception as e:
-            raise RuntimeError(f"could not open dataset {d.dataset!r} ({type(e).__name__}: {e}). Without network "
+            raise DataError(f"could not open dataset {d.dataset!r} ({type(e).__name__}: {' '.join(str(e).split())}). "
+                            f"Without network "
                                f"access, point data.dataset at local .txt/.jsonl/.parquet files.") from e
     field = "text" if files is not None and LOCAL_EXTS[Path(files[0]).suffix] == "text" else d.text_field
     for row in ds:
         if field not in row:
-            raise KeyError(f"data.text_field = {field!r} is not a column of {d.dataset!r} (columns: {list(row)})")
+            raise DataError(f"data.text_field = {field!r} is not a column of {d.dataset!r} (columns: {list(row)})")
         yield row[field]
 
 
@@ -112,7 +114,7 @@ def build_token_cache(cfg: RunConfig, tokenizer, vocab_size: int, out_dir: Path,
         else:
             eos = tokenizer.eos_token_id
             if eos is None:
-                raise ValueError("the tokenizer has no eos_token; documents could not be separated")
+                raise DataError("the tokenizer has no eos_token; documents could not be separated")
             batch: list[str] = []
             bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress)
 
@@ -178,7 +180,7 @@ class TokenData:
         n = self.n_train_windows
         lo, hi = worker * n // num_workers, (worker + 1) * n // num_workers
         if hi <= lo:
-            raise ValueError(f"the dataset has {n} training windows of {self.seq_length} tokens, too few for "
+            raise DataError(f"the dataset has {n} training windows of {self.seq_length} tokens, too few for "
                              f"{num_workers} workers: use more data or a smaller data.seq_length")
         return lo, hi
 
@@ -187,7 +189,7 @@ class TokenData:
         start = len(self.tokens) - self.n_eval_tokens
         avail = (self.n_eval_tokens - 1) // self.seq_length
         if avail < 1:
-            raise ValueError(f"the held-out split ({self.n_eval_tokens} tokens) holds no window of "
+            raise DataError(f"the held-out split ({self.n_eval_tokens} tokens) holds no window of "
                              f"{self.seq_length + 1} tokens: raise data.eval_fraction or lower data.seq_length")
         count = min(count, avail)
         return np.stack([self.window(start + i * self.seq_length) for i in range(count)])

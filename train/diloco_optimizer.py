@@ -52,6 +52,7 @@ from typing import Any, Callable
 
 import torch
 
+from train.errors import NotFound
 from train.model import WEIGHTS
 from train.reduce import arrived, commit, param_order, prune_rounds, validate_and_reduce
 from train.store import (PROTOCOL_VERSION, ProtocolError, RunPaths, append_jsonl, atomic_publish_dir,
@@ -388,6 +389,6 @@ def load_global(base_dir: str | os.PathLike, run_id: str, round: int | None = No
     paths = RunPaths(Path(base_dir) / run_id)
     r = paths.latest_committed() if round is None else round
     if r is None or not paths.committed(r).is_file():
-        raise FileNotFoundError(f"{paths.root}: no committed round {'yet' if round is None else round}")
+        raise NotFound(f"{paths.root}: no committed round {'yet' if round is None else round}")
     return r, dict(iter_tensors(paths.global_dir(r) / WEIGHTS))
 

@@ -17,15 +17,15 @@ import math
 import shutil
 import time
 
-from train.config import RunConfig
+from train.config import ConfigError, RunConfig
 from train.data import TokenData, prepare_data
 from train.edt_breed import (Member, breed, load_job, population_size, steps_per_mutation,
                              write_initial_population)
 from train.edt_store import EDTPaths, lease_age, member_id, requeue, server_now, stale_count, write_committed
 from train.evolution import fitness_function, rank_order
 from train.logs import make_metric_logger
-from train.model import WEIGHTS, build_model, load_tokenizer
-from train.store import (MANIFEST, ProtocolError, append_jsonl, atomic_publish_dir, atomic_write_json,
+from train.model import WEIGHTS, build_model, check_model_fits, load_tokenizer
+from train.store import (MANIFEST, ProtocolError, prepare_run_dir, append_jsonl, atomic_publish_dir, atomic_write_json,
                          ensure_run_manifest, exclusive_lock, new_tmp_dir, read_json, read_jsonl, verify_manifest,
                          write_manifest)
 from train.tensorio import read_header
@@ -46,7 +46,7 @@ def run_identity(cfg: RunConfig) -> dict:
 class EDTCoordinator:
     def __init__(self, cfg: RunConfig, progress: bool = True, monitor=None):
         self.cfg = cfg
-        self.paths = EDTPaths(cfg.run_dir)
+        self.paths = EDTPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
         self.P, self.G = population_size(cfg), cfg.edt.max_generations
@@ -97,12 +97,13 @@ class EDTCoordinator:
         vocab = None
         if latest is None:
             probe = build_model(cfg, (cfg.edt.initial_population or [cfg.model.name])[0])
-            vocab = probe.get_input_embeddings().weight.shape[0]
+            vocab = check_model_fits(cfg, probe, self.tokenizer)
             del probe
         else:
             vocab = read_json(paths.job_dir(latest, 0) / "config.json").get("vocab_size")
         if self.tokenizer is not None and vocab and len(self.tokenizer) > vocab:
-            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary is {vocab}")
+            raise ConfigError(f"{cfg.source}: the tokenizer has {len(self.tokenizer)} tokens but the model's "
+                              f"vocabulary is {vocab}: set vocab_size >= {len(self.tokenizer)} in the model config")
         data_dir = prepare_data(cfg, self.tokenizer, vocab, progress=self.progress)
         atomic_write_json(paths.data / "current.json", {"key": data_dir.name})
         data = TokenData.open(data_dir, cfg.data.seq_length, cfg.data.eval_fraction)
@@ -372,7 +373,8 @@ def config_summary(cfg: RunConfig) -> str:
         em = cfg.evomerge
         return (f"{cfg.project_name}: EvoMerge of {len(set(ec.initial_population))} models, population "
                 f"{population_size(cfg)} x {ec.max_generations} generations, methods {', '.join(em.merge_methods)}, "
-                f"mutation: {f'SFT {steps_per_mutation(cfg)} steps on {sorted(em.datasets)}' if em.datasets else 'none'}"
+                f"mutation: "
+                f"{f'SFT {steps_per_mutation(cfg)} steps on {sorted(em.datasets)}' if em.datasets else 'none'}"
                 f", fitness "
                 f"{[t['name'] for t in em.tasks]}, {cfg.outer.num_workers} workers -> {cfg.run_dir}")
     return (f"{cfg.project_name}: EDT population {population_size(cfg)} x {ec.max_generations} generations x "

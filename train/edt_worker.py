@@ -31,13 +31,28 @@ import torch
 
 from train.config import ConfigError, RunConfig, load_config
 from train.data import ShardSampler, TokenData, find_data
-from train.edt_store import (EDTPaths, publish_once, read_claim, release_claim, renew_lease, requeue,
-                             tmp_member_dir, try_claim)
+from train.edt_store import (
+    EDTPaths,
+    publish_once,
+    read_claim,
+    release_claim,
+    renew_lease,
+    requeue,
+    tmp_member_dir,
+    try_claim,
+)
 from train.inner import InnerTrainer, evaluate
-from train.logs import setup_logging
 from train.model import WEIGHTS, load_weights_into, pick_device, quiet_transformers
-from train.store import (PROTOCOL_VERSION, ProtocolError, atomic_write_json, exclusive_lock, read_json, wait_for,
-                         write_manifest)
+from train.store import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    atomic_write_json,
+    exclusive_lock,
+    prepare_run_dir,
+    read_json,
+    wait_for,
+    write_manifest,
+)
 from train.tensorio import StreamingWriter, read_header
 from train.worker import Heartbeat
 
@@ -144,7 +159,7 @@ class EDTWorker:
             raise ConfigError(f"inner.nproc_per_node = {cfg.inner.nproc_per_node}: EDT workers run one process each "
                               f"(torchrun groups are for DiLoCo workers); start one EDT worker per GPU instead")
         self.cfg, self.w = cfg, worker_id
-        self.paths = EDTPaths(cfg.run_dir)
+        self.paths = EDTPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.poll = cfg.outer.poll_interval_s
         self.hb = Heartbeat(self.paths.progress(worker_id), worker_id)
         self.model = None
@@ -306,19 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
     args = ap.parse_args(argv)
-    setup_logging(f"edt-worker-{args.worker:03d}")
     quiet_transformers()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        cfg = load_config(args.config, args.set)
-        if args.threads:
-            cfg.inner.threads = args.threads
-        EDTWorker(cfg, args.worker).run()
-    except (ConfigError, ProtocolError) as e:
-        log.error("%s", e)
-        return 2
+    cfg = load_config(args.config, args.set)
+    if args.threads:
+        cfg.inner.threads = args.threads
+    EDTWorker(cfg, args.worker).run()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from train.errors import run_main
+    run_main(main, "edt-worker")

@@ -21,6 +21,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from train.errors import ConfigError
+
 DNA = dict  # gene name -> position in [0, 1]
 
 
@@ -71,7 +73,8 @@ def fitness_function(spec: str) -> Callable[[Mapping], float]:
     try:
         return getattr(importlib.import_module(mod), fn)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"edt.fitness = {spec!r}: cannot import it ({e})") from None
+        raise ConfigError(f"edt.fitness = {spec!r}: cannot import it ({type(e).__name__}: {e}); give a built-in "
+                          f"({', '.join(FITNESS)}) or package.module:function importable on every machine") from None
 
 
 def _key(f: float) -> float:

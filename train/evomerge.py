@@ -26,6 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from train.errors import NotFound
 from train.config import BASE_METHODS, RunConfig
 from train.evolution import decode as decode_genes
 
@@ -134,7 +135,7 @@ def check_population(cfg: RunConfig) -> dict:
     except FileNotFoundError as e:
         hint = (" (the offline demo's models: run `python scripts/make_specialists.py` first)"
                 if "evomerge-models" in str(e) else "")
-        raise FileNotFoundError(f"{cfg.source}: edt.initial_population / evomerge.base_model: {e}{hint}") from None
+        raise NotFound(f"{cfg.source}: edt.initial_population / evomerge.base_model: {e}{hint}") from None
     return check_compatible(dirs, base)
 
 

@@ -13,6 +13,7 @@ import math
 import sys
 from pathlib import Path
 
+from train.errors import EnvironmentProblem
 from train.store import append_jsonl
 
 
@@ -103,6 +104,18 @@ class TeeLogger(MetricLogger):
             lg.close()
 
 
+OPTIONAL_LOGGERS = {"wandb": "wandb", "tensorboard": "tensorboard"}  # logging.metrics -> the package it needs
+
+
+def check_metric_logger(kind: str) -> None:
+    """Fail before a run starts when logging.metrics names a logger whose package is not installed."""
+    import importlib.util
+    pkg = OPTIONAL_LOGGERS.get(kind)
+    if pkg and importlib.util.find_spec(pkg) is None:
+        raise EnvironmentProblem(f"logging.metrics = {kind!r} needs the package {pkg!r}, which is not installed: "
+                                 f"`pip install {pkg}`, or set logging.metrics to jsonl")
+
+
 def make_metric_logger(kind: str, run_dir: Path, project: str, config: dict) -> MetricLogger:
     jsonl = JsonlLogger(run_dir / "metrics.jsonl")
     if kind in ("jsonl", "dummy"):
@@ -111,8 +124,8 @@ def make_metric_logger(kind: str, run_dir: Path, project: str, config: dict) -> 
         extra = WandbLogger(project, config, resume_id=project) if kind == "wandb" else \
             TensorBoardLogger(run_dir / "tensorboard")
     except ImportError as e:
-        raise RuntimeError(f"logging.metrics = {kind!r} but {e.name} is not installed: `pip install {e.name}` "
-                           f"or use jsonl") from None
+        raise EnvironmentProblem(f"logging.metrics = {kind!r} needs the package {e.name!r}, which is not installed: "
+                                 f"`pip install {e.name}`, or set logging.metrics to jsonl") from None
     return TeeLogger(jsonl, extra)
 
 

@@ -101,17 +101,31 @@ def curve_value(curve: "float | list[float]", p: float) -> float:
 
 
 def t_for(name: str, curves: Curves, num_layers: int) -> float:
-    """The interpolation t of one tensor: the first filter contained in its name (else `default`, else 0.5),
-    read at p = i/(N−1) for layer i of N, at the curve's start for non-layer tensors."""
-    curve: "float | list[float]" = curves.get("default", 0.5)
+    """The t of tensor `name` under t-curves {filter: t or [t, ...]} in a model of `num_layers` layers, by
+    mergekit's rule (mergekit/plan.py MergePlanner.plan_module / plan_slice, config.py evaluate_setting and
+    ConfigReader.parameter; read at v0.1.4):
+
+    * the curve: the first filter (dict order) contained in the name, else `default`, else 0.5 (mergekit: the
+      first entry whose `filter` is a substring of the tensor name; our `default` is its filter-less entry, kept
+      as the fallback wherever it stands in the dict);
+    * the position p along the curve: layer i of N at i/(N−1), and p = 1 when the model has a single layer
+      (mergekit's plan_slice); every tensor outside the layers (no `layers.<i>.` in its name) at p = 0, i.e. the
+      curve's first value: embeddings before the layers and the final norm and lm_head after them alike. mergekit
+      builds one ConfigReader with t = 0 for a module's pre_weights and post_weights (since v0.1.2, #534); up to
+      v0.1.1 it read the post-layer weights at t = 1 (the last value), which we do not follow;
+    * a list is read piecewise linearly at p (evenly spaced anchors, train.merge.curve_value); a number is constant.
+    """
+    curve = curves.get("default", 0.5)
     for filt, c in curves.items():
         if filt != "default" and filt in name:
             curve = c
             break
     i = layer_index(name)
     if i is None:
-        return float(curve[0]) if isinstance(curve, (list, tuple)) else float(curve)
-    return curve_value(curve, i / (num_layers - 1) if num_layers > 1 else 0.0)
+        p = 0.0
+    else:
+        p = i / (num_layers - 1) if num_layers > 1 else 1.0
+    return curve_value(curve, p)
 
 
 def count_layers(names) -> int:

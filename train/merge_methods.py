@@ -7,20 +7,27 @@ models x_1..x_n, weights w_i, base x_0 and task vectors δ_i = x_i − x_0 (merg
 slerp.py, generalized_task_arithmetic.py, sparsify.py):
 
 * linear           Σ w_i x_i, divided by Σ w_i when `normalize` (a zero sum is an error then).
-* slerp            exactly two models, t per tensor from t-curves with filters (train.merge.t_for); spherical
-                   interpolation with the angle of the whole flattened tensors, lerp when |cos| > 0.9995 (train.merge).
+* slerp            exactly two models, t per tensor from t-curves with filters (merge.t_for: layer i of N at i/(N−1),
+                   a lone layer at 1, embeddings / final norm / lm_head at the curve's first value, as mergekit's
+                   planner); spherical interpolation with the angle of the whole flattened tensors, lerp when
+                   |cos| > 0.9995 (train.merge).
 * task_arithmetic  x_0 + λ Σ w_i δ_i  (÷ Σ w_i when `normalize`, a |sum| < 1e-8 counts as 1; mergekit's default is
                    not to normalise).
-* ties             δ_i keeps its top-k entries by magnitude, k = int(density_i · numel) (k = 0: all pruned); the sign
-                   of each position is the sign of Σ w_i δ_i (≥ 0 counts as +: a zero sum elects +); an entry votes
-                   only if its weighted delta is nonzero and has that sign (pruned zeros never vote);
+* ties             δ_i keeps exactly its top k = int(density_i · numel) entries by magnitude (density_i ≥ 1: all):
+                   entries above the k-th largest magnitude, then as many equal to it as make k, lowest flat index
+                   first (mergekit's argsort(descending)[:k] keeps exactly k too; which of the tied entries it keeps
+                   is up to torch's unstable sort). k = 0 (a density below 1/numel) is a MergeError, as mergekit's
+                   `assert k > 0`: a whole task vector is never pruned silently. Sign election per position
+                   (consensus_method): "sum" (default, TIES) elects the sign of Σ w_i δ_i, "count" the sign of
+                   Σ sign(w_i δ_i) (one vote per model); ≥ 0 elects + either way. An entry votes only if its
+                   weighted delta is nonzero and has the elected sign (pruned zeros never vote);
                    x_0 + λ Σ_agree w_i δ_i / Σ_agree w_i when `normalize` (an empty agreeing set divides by 1).
-                   Magnitude ties at the k-th value are all kept (mergekit's argsort keeps exactly k).
 * dare_linear      δ_i keeps each entry with probability density_i (independent Bernoulli), then is rescaled so
   dare_ties        its L1 norm equals the unpruned δ_i's (mergekit's `rescale` with the L1 norm, not 1/p; no
-                   rescale when either norm is < 1e-7); then as task_arithmetic (dare_linear) or ties' sign
-                   consensus (dare_ties). The random stream: for each chunk in order, for each model in order with
-                   density < 1, `torch.rand(len(chunk), generator) < density`; the streaming merge seeds one
+                   rescale when either norm is < 1e-7; density 0 prunes all, no error); then as task_arithmetic
+                   (dare_linear) or ties' sign consensus (dare_ties, "sum" or "count"). The random stream: for
+                   each chunk in order, for each model in order with density < 1,
+                   `torch.rand(len(chunk), generator) < density`; the streaming merge seeds one
                    generator per tensor with tensor_seed(seed, name), so a merge is reproducible across processes.
 
 Tied embeddings: a model without lm_head.weight reads model.embed_tokens.weight for it (train.merge.TIED); the output
@@ -38,19 +45,18 @@ import torch
 from torch import Tensor
 
 from train.merge import DOT_THRESHOLD, TIED, count_layers, t_for
+from train.errors import MergeError  # noqa: F401  (raised here, imported from here by merge_stream)
 
 CHUNK = 1 << 20          # elements per chunk: 4 MB of float32 per input
 L1_EPS = 1e-7            # mergekit's rescaled_masked_tensor eps
 METHODS = ("linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties")
+CONSENSUS_METHODS = ("sum", "count")       # mergekit's ConsensusMethod: sign election by weighted mass / by votes
+SIGN_ELECTING = ("ties", "dare_ties")      # the methods with a sign consensus (their default: "sum")
 # mergekit's default `normalize` per method (registry.py): used when a Recipe leaves it out
 DEFAULT_NORMALIZE = {"linear": True, "slerp": True, "task_arithmetic": False, "ties": True,
                      "dare_linear": False, "dare_ties": False}
 
 Source = Callable[[int, int], Tensor]  # flat element range [start, stop) of one tensor → 1-D float32
-
-
-class MergeError(ValueError):
-    """Parents (or a base) that cannot be merged: which model, which tensor / config field, and why."""
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -120,9 +126,11 @@ def _slerp(numel, a: Source, b: Source, t: float, out: Tensor, chunk: int, eps: 
         torch.mul(a(s, e), s0, out=out[s:e]).add_(b(s, e), alpha=s1)
 
 
-def _kth_largest(chunks: Callable[[], Iterable[Tensor]], k: int) -> float:
-    """The k-th largest of non-negative float32 values given as chunks (k ≥ 1), exactly, in O(chunk) memory:
-    radix selection on the float bits (non-negative floats order like their int32 bit patterns), 2 passes."""
+def _kth_largest(chunks: Callable[[], Iterable[Tensor]], k: int) -> tuple[float, int, int]:
+    """(v, g, q): v the k-th largest of non-negative float32 values given as chunks (k ≥ 1), g how many values are
+    strictly greater than v, q how many equal it (g < k ≤ g + q: k − g of the q complete the top k). Exact, in
+    O(chunk) memory: radix selection on the float bits (non-negative floats order like their int32 bit patterns),
+    2 passes."""
     hist = torch.zeros(1 << 16, dtype=torch.int64)
     for c in chunks():
         hist += torch.bincount(c.contiguous().view(torch.int32) >> 16, minlength=1 << 16)
@@ -133,16 +141,20 @@ def _kth_largest(chunks: Callable[[], Iterable[Tensor]], k: int) -> float:
     for c in chunks():
         bits = c.contiguous().view(torch.int32)
         hist += torch.bincount(bits[(bits >> 16) == hi] & 0xFFFF, minlength=1 << 16)
-    lo = (1 << 16) - 1 - int(torch.searchsorted(hist.flip(0).cumsum(0), k - above))
-    return float(torch.tensor([(hi << 16) | lo], dtype=torch.int32).view(torch.float32))
+    from_top = hist.flip(0).cumsum(0)
+    j = int(torch.searchsorted(from_top, k - above))
+    lo, greater = (1 << 16) - 1 - j, above + (int(from_top[j - 1]) if j else 0)
+    return float(torch.tensor([(hi << 16) | lo], dtype=torch.int32).view(torch.float32)), greater, int(hist[lo])
 
 
 def _task(numel, base: Source, xs: list[Source], weights, out: Tensor, chunk: int, *, normalize: bool,
-          lambda_: float, sparsify: str | None = None, density=1.0, consensus: bool = False,
-          generator: torch.Generator | None = None) -> None:
+          lambda_: float, sparsify: str | None = None, density=1.0, consensus: str | None = None,
+          generator: torch.Generator | None = None, name: str = "tensor") -> None:
     """The generalized task arithmetic of the module doc: sparsify ('magnitude' | 'random' | None) each δ_i,
-    weight, optional sign consensus, normalise, scale by λ, add to the base. In-place ops keep the working set
-    at a few chunks."""
+    weight, optional sign consensus (None | 'sum' | 'count'), normalise, scale by λ, add to the base. In-place ops
+    keep the working set at a few chunks. `name` is the tensor's, for errors."""
+    if consensus not in (None, *CONSENSUS_METHODS):
+        raise ValueError(f"consensus_method must be one of {', '.join(CONSENSUS_METHODS)}, got {consensus!r}")
     n = len(xs)
     dens = _densities(density, n)
     ranges = _ranges(numel, chunk)
@@ -162,14 +174,21 @@ def _task(numel, base: Source, xs: list[Source], weights, out: Tensor, chunk: in
             return cache["abs", i]
         return delta(i, s, e).abs()
 
-    # pass 1 (ties): each δ_i's magnitude threshold; None = keep all, inf = prune all
+    # pass 1 (ties): each δ_i's k-th largest magnitude (None = keep all) and, when more entries than the top k
+    # needs equal it, how many of them it needs (quota; None: all): pass 2 keeps the first ones in flat order,
+    # so exactly k survive
     thr: list[float | None] = [None] * n
+    quota: list[int | None] = [None] * n
     if sparsify == "magnitude":
         for i, d in enumerate(dens):
             k = int(d * numel)
-            if d >= 1.0 or k >= numel:
+            if d >= 1.0 or k >= numel or numel == 0:
                 continue
-            thr[i] = math.inf if k <= 0 else _kth_largest(lambda i=i: (magnitude(i, s, e) for s, e in ranges), k)
+            if k <= 0:
+                raise _nothing_kept(d, None if isinstance(density, numbers.Real) else i, numel, name)
+            thr[i], greater, equal = _kth_largest(lambda i=i: (magnitude(i, s, e) for s, e in ranges), k)
+            if greater + equal > k:
+                quota[i] = k - greater
     # pass 1 (DARE): L1 norms before / after the Bernoulli mask, then replay the same random stream in pass 2
     scale = [1.0] * n
     if sparsify == "random":
@@ -193,7 +212,17 @@ def _task(numel, base: Source, xs: list[Source], weights, out: Tensor, chunk: in
         for i, (w, d) in enumerate(zip(weights, dens)):
             di = delta(i, s, e)
             if sparsify == "magnitude" and thr[i] is not None:
-                di = di.masked_fill(magnitude(i, s, e) < thr[i], 0.0)
+                mag = magnitude(i, s, e)
+                if quota[i] is None:  # every entry ≥ the threshold is in the top k
+                    di = di.masked_fill(mag < thr[i], 0.0)
+                else:  # magnitude ties at the threshold: keep the first quota[i] of them (flat order)
+                    tied = mag == thr[i]
+                    n_tied = int(tied.sum())
+                    if n_tied > quota[i]:
+                        tied &= tied.cumsum(0, dtype=torch.int32) <= quota[i]
+                        n_tied = quota[i]
+                    quota[i] -= n_tied
+                    di = di.masked_fill(~(mag > thr[i]).logical_or_(tied), 0.0)
             elif sparsify == "random" and d < 1.0:
                 di = di.masked_fill(torch.rand(e - s, generator=generator) >= d, 0.0)
                 di.mul_(scale[i] * w)
@@ -204,8 +233,15 @@ def _task(numel, base: Source, xs: list[Source], weights, out: Tensor, chunk: in
         mixed.copy_(wd[0])
         for x in wd[1:]:
             mixed.add_(x)
-        if consensus:  # the sign of the weighted sum elects (≥ 0: +); an entry votes if nonzero and agreeing
-            plus = mixed >= 0
+        if consensus:  # elect a sign per position (≥ 0: +); an entry votes if nonzero and agreeing
+            if consensus == "count":  # one vote per model: Σ sign(w_i δ_i)
+                votes = torch.zeros_like(mixed)
+                for x in wd:
+                    votes.add_(torch.sign(x))
+                plus = votes >= 0
+                del votes
+            else:  # "sum": the sign of the weighted sum
+                plus = mixed >= 0
             mixed.zero_()
             divisor = torch.zeros_like(mixed)
             for w, x in zip(weights, wd):
@@ -218,6 +254,24 @@ def _task(numel, base: Source, xs: list[Source], weights, out: Tensor, chunk: in
         elif normalize:
             mixed.div_(w_total if abs(w_total) >= 1e-8 else 1.0)
         mixed.mul_(lambda_).add_(base(s, e))
+
+
+def _nothing_kept(density: float, model: int | None, numel: int, name: str) -> MergeError:
+    of = "" if model is None else f" of model {model}"
+    return MergeError(f"ties: density {density:g}{of} keeps int({density:g} × {numel}) = 0 entries of tensor "
+                      f"{name!r}; pruning a whole task vector is refused (as mergekit does): use a density of at "
+                      f"least {1 / numel:.3g} (≥ 1 entry) or 1 to keep it all")
+
+
+def check_density(recipe: "Recipe", name: str, numel: int) -> None:
+    """Raise the MergeError that merging tensor `name` (numel elements) by `recipe` would: a ties density that
+    keeps int(density · numel) = 0 of its entries. From the shape alone, so a file merge refuses before reading."""
+    if recipe.method != "ties" or numel == 0:
+        return
+    per_model = isinstance(recipe.density, tuple)
+    for i, d in enumerate(recipe.density if per_model else (recipe.density,)):
+        if d < 1.0 and int(d * numel) <= 0:
+            raise _nothing_kept(d, i if per_model else None, numel, name)
 
 
 def _run(kernel, numel: int, shape, dtype: torch.dtype, chunk: int | None, *args, **kw) -> Tensor:
@@ -259,15 +313,15 @@ def task_arithmetic(base: Tensor, tensors, weights, normalize: bool = False, lam
 
 
 def ties_merge(base, tensors, weights, density: float | Sequence[float], normalize: bool = True,
-               lambda_: float = 1.0) -> Tensor:
+               lambda_: float = 1.0, consensus_method: str = "sum") -> Tensor:
     return _gta(base, tensors, weights, normalize=normalize, lambda_=lambda_, sparsify="magnitude",
-                density=density, consensus=True)
+                density=density, consensus=consensus_method)
 
 
 def dare_merge(base, tensors, weights, density, generator: torch.Generator, ties: bool, normalize: bool = False,
-               lambda_: float = 1.0) -> Tensor:
+               lambda_: float = 1.0, consensus_method: str = "sum") -> Tensor:
     return _gta(base, tensors, weights, normalize=normalize, lambda_=lambda_, sparsify="random",
-                density=density, consensus=ties, generator=generator)
+                density=density, consensus=consensus_method if ties else None, generator=generator)
 
 
 # -- recipes ---------------------------------------------------------------------------------------------------------
@@ -283,12 +337,14 @@ class Recipe:
     method: str                                   # linear | slerp | task_arithmetic | ties | dare_linear | dare_ties
     weights: tuple[float, ...] | None = None      # one per model (None = 1/n each); not for slerp
     density: float | tuple[float, ...] = 1.0      # ties / dare: fraction of each task vector kept, in [0, 1]
-    t_curves: Mapping | None = None               # slerp: {filter: t or [t, ...]} (train.merge.t_for); None = 0.5
+    t_curves: Mapping | None = None               # slerp: {filter: t or [t, ...]} (merge.t_for); None = 0.5
     normalize: bool | None = None                 # None = mergekit's default for the method (DEFAULT_NORMALIZE)
     lambda_: float = 1.0                          # scales the merged task vector; serialised as "lambda"
     seed: int = 0                                 # DARE's random stream (with each tensor's name)
+    consensus_method: str | None = None           # ties / dare_ties: sign election "sum" | "count"; None = "sum"
     NEEDS_BASE: ClassVar = frozenset({"task_arithmetic", "ties", "dare_linear", "dare_ties"})
-    _FIELDS: ClassVar = ("method", "weights", "density", "t_curves", "normalize", "lambda", "seed")
+    _FIELDS: ClassVar = ("method", "weights", "density", "t_curves", "normalize", "lambda", "seed",
+                         "consensus_method")
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -310,6 +366,9 @@ class Recipe:
             dens = _finite(dens, "density")
         if any(not 0.0 <= d <= 1.0 for d in (dens if isinstance(dens, tuple) else (dens,))):
             raise ValueError(f"recipe: density must lie in [0, 1], got {dens}")
+        if self.method == "ties" and 0.0 in (dens if isinstance(dens, tuple) else (dens,)):
+            raise ValueError(f"recipe: ties density {dens} has a 0: it would prune a whole task vector "
+                             f"(k = 0), which mergekit refuses; use a density > 0")
         object.__setattr__(self, "density", dens)
         if self.t_curves is not None:
             if self.method != "slerp":
@@ -335,6 +394,15 @@ class Recipe:
         object.__setattr__(self, "lambda_", _finite(self.lambda_, "lambda"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"recipe: seed must be a non-negative integer, got {self.seed!r}")
+        if self.consensus_method is None:
+            if self.method in SIGN_ELECTING:
+                object.__setattr__(self, "consensus_method", "sum")
+        elif self.method not in SIGN_ELECTING:
+            raise ValueError(f"recipe: consensus_method is for {' / '.join(SIGN_ELECTING)} (sign election), not "
+                             f"{self.method} (set it to null)")
+        elif self.consensus_method not in CONSENSUS_METHODS:
+            raise ValueError(f"recipe: consensus_method must be one of {', '.join(CONSENSUS_METHODS)}, "
+                             f"got {self.consensus_method!r}")
 
     def check_models(self, n_models: int, has_base: bool) -> None:
         """Raise ValueError unless this recipe can merge n_models models (with / without a base)."""
@@ -357,7 +425,8 @@ class Recipe:
                 "density": list(self.density) if isinstance(self.density, tuple) else self.density,
                 "t_curves": None if self.t_curves is None else
                 {k: list(v) if isinstance(v, tuple) else v for k, v in self.t_curves.items()},
-                "normalize": self.normalize, "lambda": self.lambda_, "seed": self.seed}
+                "normalize": self.normalize, "lambda": self.lambda_, "seed": self.seed,
+                "consensus_method": self.consensus_method}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Recipe":
@@ -388,11 +457,11 @@ def merge_tensor(recipe: Recipe, name: str, sources: Sequence[Source], base: Sou
     if m == "slerp":
         t = t_for(name, recipe.t_curves or {"default": 0.5}, num_layers)
         return _run(_slerp, numel, shape, dtype, chunk, srcs[0], srcs[1], t)
-    kw = dict(normalize=recipe.normalize, lambda_=recipe.lambda_)
+    kw = dict(normalize=recipe.normalize, lambda_=recipe.lambda_, consensus=recipe.consensus_method, name=name)
     if m == "ties":
-        kw.update(sparsify="magnitude", density=recipe.density, consensus=True)
+        kw.update(sparsify="magnitude", density=recipe.density)
     elif m in ("dare_linear", "dare_ties"):
-        kw.update(sparsify="random", density=recipe.density, consensus=m == "dare_ties",
+        kw.update(sparsify="random", density=recipe.density,
                   generator=torch.Generator().manual_seed(tensor_seed(recipe.seed, name)))
     return _run(_task, numel, shape, dtype, chunk, _Cached(base), srcs, w, **kw)
 

@@ -28,7 +28,7 @@ import torch
 
 from train.merge import TIED, count_layers
 from train import merge_methods
-from train.merge_methods import MergeError, Recipe, merge_tensor
+from train.merge_methods import MergeError, Recipe, check_density, merge_tensor
 from train.store import atomic_publish_dir, new_tmp_dir, write_manifest
 from train.tensorio import _TORCH_DTYPES, StreamingWriter, read_header
 
@@ -221,6 +221,8 @@ def merge_model_dirs(recipe: Recipe, model_dirs: Sequence[Path], out_dir: Path, 
     for n in first.order:
         dt = first.info[n][1]
         specs[n] = (dtype if dtype is not None and dt.is_floating_point else dt, first.info[n][2])
+        if dt.is_floating_point:  # a ties density that keeps nothing of a small tensor: refused before any read
+            check_density(recipe, n, torch.Size(first.info[n][2]).numel())
     num_layers = count_layers(first.order)
     tmp = new_tmp_dir(out_dir)
     finite = True

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from train.errors import ConfigError, EnvironmentProblem, ModelError, NotFound
 from train.config import RunConfig
 from train.store import atomic_publish_dir, new_tmp_dir, write_manifest
 from train.tensorio import StreamingWriter, iter_tensors
@@ -34,6 +35,8 @@ def quiet_transformers() -> None:
         datasets.utils.logging.set_verbosity_error()
     except Exception:  # datasets is optional for fake data
         pass
+    import logging
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # offline retries: our error says it once
 
 
 def model_source(cfg: RunConfig, name: str | None = None) -> tuple[str, str]:
@@ -44,16 +47,17 @@ def model_source(cfg: RunConfig, name: str | None = None) -> tuple[str, str]:
         return "config", str(p)
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"model {spec}: a directory without config.json is not a HF model directory")
+            raise NotFound(f"model {spec}: a directory without config.json is not a HF model directory")
         return "dir", str(p)
     if spec.endswith(".json") or spec.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model {spec!r}: no such file or directory (model.name in the config)")
+        raise NotFound(f"model {spec!r}: no such file or directory (model.name in the config)")
     return "hub", spec
 
 
-def _hub_error(what: str, spec: str, e: Exception) -> RuntimeError:
-    return RuntimeError(
-        f"could not load {what} {spec!r} from the Hugging Face hub ({type(e).__name__}: {e}). Without network "
+def _hub_error(what: str, spec: str, e: Exception) -> ModelError:
+    reason = " ".join(str(e).split())  # transformers' messages span lines; ours is one
+    return ModelError(
+        f"could not load {what} {spec!r} from the Hugging Face hub ({type(e).__name__}: {reason}). Without network "
         f"access, download it elsewhere (`huggingface-cli download {spec} --local-dir DIR`) and point the config "
         f"at DIR, or use a config JSON such as configs/tiny-llama.json to train from scratch.")
 
@@ -83,13 +87,28 @@ def load_tokenizer(cfg: RunConfig):
     if not spec:
         kind, spec = model_source(cfg)
         if kind == "config":
-            raise ValueError(f"model.tokenizer is empty but model.name {cfg.model.name!r} is a config JSON with no "
+            raise ConfigError(f"model.tokenizer is empty but model.name {cfg.model.name!r} is a config JSON with no "
                              f"tokenizer: set model.tokenizer (e.g. data/tokenizer)")
     try:
         return AutoTokenizer.from_pretrained(spec, revision=cfg.model.revision,
                                              trust_remote_code=cfg.model.trust_remote_code)
     except OSError as e:
         raise _hub_error("tokenizer", spec, e) from e
+
+
+def check_model_fits(cfg: RunConfig, model: torch.nn.Module, tokenizer=None) -> int:
+    """The model's vocabulary size, after checking the tokenizer and data.seq_length fit it (ConfigError if not)."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if tokenizer is not None and len(tokenizer) > vocab:
+        raise ConfigError(f"{cfg.source}: the tokenizer {cfg.model.tokenizer or cfg.model.name!r} has {len(tokenizer)} "
+                          f"tokens but the model's vocabulary is {vocab}: set vocab_size >= {len(tokenizer)} in the "
+                          f"model config or use the model's own tokenizer")
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(max_pos, int) and cfg.data.seq_length > max_pos:
+        raise ConfigError(f"{cfg.source}: data.seq_length = {cfg.data.seq_length} exceeds the model's "
+                          f"max_position_embeddings = {max_pos} ({cfg.model.name}): lower data.seq_length or raise "
+                          f"max_position_embeddings in the model config")
+    return vocab
 
 
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -140,14 +159,14 @@ def load_weights_into(model: torch.nn.Module, model_dir: Path) -> dict[str, torc
     seen = {}
     for name, t in iter_tensors(model_dir / WEIGHTS):
         if name not in params:
-            raise ValueError(f"{model_dir}: tensor {name!r} is not a parameter of the model")
+            raise ModelError(f"{model_dir}: tensor {name!r} is not a parameter of the model")
         if tuple(t.shape) != tuple(params[name].shape):
-            raise ValueError(f"{model_dir}: {name} has shape {tuple(t.shape)}, model has {tuple(params[name].shape)}")
+            raise ModelError(f"{model_dir}: {name} has shape {tuple(t.shape)}, model has {tuple(params[name].shape)}")
         params[name].copy_(t)
         seen[name] = t
     missing = set(params) - set(seen)
     if missing:
-        raise ValueError(f"{model_dir}: missing tensors {sorted(missing)[:5]}")
+        raise ModelError(f"{model_dir}: missing tensors {sorted(missing)[:5]}")
     return seen
 
 
@@ -159,5 +178,6 @@ def pick_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"inner.device = {spec!r} but CUDA is not available on {os.uname().nodename}")
+        raise EnvironmentProblem(f"inner.device = {spec!r} but CUDA is not available on {os.uname().nodename}: set "
+                                 f"inner.device to auto or cpu (--device cpu), or run on a machine with a GPU")
     return torch.device(spec)

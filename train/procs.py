@@ -16,10 +16,7 @@ import time
 from pathlib import Path
 
 from train.config import REPO_ROOT
-
-
-class WorkerDied(RuntimeError):
-    pass
+from train.errors import WorkerDied  # noqa: F401  (raised here)
 
 
 def _die_with_parent() -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from train.errors import NotFound
 from train.sft import SFTMixture, ensure_chat_template, train_sft
 from train.model import save_model_dir
 from train.store import ProtocolError, atomic_write_bytes, atomic_write_json, read_json, verify_manifest
@@ -99,7 +100,7 @@ def make_specialists(out_dir: str | Path, tasks: tuple[str, ...] | list[str] = t
         raise ValueError(f"tasks {list(tasks)}: need known synthetic tasks from {sorted(TASKS)}")
     model_config = Path(model_config or REPO / "configs" / "tiny-llama.json")
     if not model_config.is_file():
-        raise FileNotFoundError(f"model config {model_config}: no such file (an HF config JSON for the base model)")
+        raise NotFound(f"model config {model_config}: no such file (an HF config JSON for the base model)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = ensure_chat_template(AutoTokenizer.from_pretrained(str(tokenizer_dir or REPO / "data" / "tokenizer")))

@@ -31,11 +31,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from train.errors import ProtocolError  # noqa: F401  (raised here)
+
 PROTOCOL_VERSION = 1
-
-
-class ProtocolError(RuntimeError):
-    """BASE_DIR holds something this version cannot use (other protocol, changed run identity, corrupt file)."""
 
 
 def exclusive_lock(path: str | os.PathLike, what: str):
@@ -171,6 +169,28 @@ def new_tmp_dir(final_dir: Path) -> Path:
 
 
 # -- the run's paths ------------------------------------------------------------------------------------------------
+def prepare_run_dir(run_dir: str | os.PathLike, source: str = "the config") -> Path:
+    """Create BASE_DIR/<project>; a base_dir that is a file, lies under a file or cannot be written is a ConfigError."""
+    from train.errors import ConfigError
+
+    run_dir = Path(run_dir)
+    for p in [run_dir, *run_dir.parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"{source}: base_dir: {p} is a file, not a folder; set base_dir (or --base-dir) to a "
+                                  f"folder on the shared disk (it is created if missing)")
+            break
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{source}: base_dir: cannot write in {run_dir} ({e.strerror or e}); set base_dir to a "
+                          f"writable folder on the shared disk") from None
+    return run_dir
+
+
 class RunPaths:
     """Every path of the BASE_DIR protocol for one run, in one place."""
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from train.errors import NotFound
 from train.config import ConfigError
 
 EVAL_BUCKETS = 8  # 1 of 8 hash buckets is the eval split
@@ -178,7 +179,7 @@ def load_items(spec: str, n: int | None, split: str, seed: int = 0, text_fields:
     path = Path(spec).expanduser()
     if path.suffix in (".jsonl", ".json"):
         if not path.is_file():
-            raise FileNotFoundError(f"data {spec!r}: no such file (a .jsonl/.json of chat or prompt/answer rows)")
+            raise NotFound(f"data {spec!r}: no such file (a .jsonl/.json of chat or prompt/answer rows)")
         rows, source, by_hash = _read_rows(path), path.stem, True
     elif spec.startswith((".", "/", "~")) or path.exists():
         raise ConfigError(f"data {spec!r}: expected task:<name> ({sorted(TASKS)}), a .jsonl/.json file or a hub name")

@@ -33,13 +33,28 @@ import torch
 
 from train.config import ConfigError, RunConfig, load_config
 from train.data import ShardSampler, TokenData, find_data
-from train.dist import (DistInfo, RankBatches, broadcast_full, broadcast_json, close_group, full_tensor, get_dist_info,
-                        init_group, load_full)
+from train.dist import (
+    DistInfo,
+    RankBatches,
+    broadcast_full,
+    broadcast_json,
+    close_group,
+    full_tensor,
+    init_group,
+    load_full,
+)
 from train.inner import InnerTrainer
-from train.logs import setup_logging
 from train.model import WEIGHTS, load_weights_into, quiet_transformers
-from train.store import (PROTOCOL_VERSION, ProtocolError, RunPaths, atomic_write_json, exclusive_lock, read_json,
-                         wait_for)
+from train.store import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    RunPaths,
+    atomic_write_json,
+    exclusive_lock,
+    prepare_run_dir,
+    read_json,
+    wait_for,
+)
 from train.tensorio import DTYPE_BY_NAME, StreamingWriter, iter_tensors, read_header, save_streaming
 
 log = logging.getLogger("worker")
@@ -98,7 +113,7 @@ class Worker:
                               f"(outer.num_workers = {cfg.outer.num_workers})")
         self.cfg, self.w = cfg, worker_id
         self.dist = DistInfo()  # set by setup(): rank 0 of 1 unless started by torchrun
-        self.paths = RunPaths(cfg.run_dir)
+        self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.poll = cfg.outer.poll_interval_s
         self.hb = Heartbeat(self.paths.progress(worker_id), worker_id)
         self.monitor = lambda: None  # called while waiting; may raise (train_fsdp.py: its coordinator child died)
@@ -299,20 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
     args = ap.parse_args(argv)
-    info = get_dist_info()  # in a torchrun group, ranks > 0 log only warnings (rank 0 speaks for the worker)
-    setup_logging(f"worker-{args.worker:03d}", logging.INFO if info.main else logging.WARNING)
     quiet_transformers()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        cfg = load_config(args.config, args.set)
-        if args.threads:
-            cfg.inner.threads = args.threads
-        Worker(cfg, args.worker).run()
-    except (ConfigError, ProtocolError) as e:
-        log.error("%s", e)
-        return 2
+    cfg = load_config(args.config, args.set)
+    if args.threads:
+        cfg.inner.threads = args.threads
+    Worker(cfg, args.worker).run()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from train.errors import run_main
+    run_main(main, "worker")
