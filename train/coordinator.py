@@ -23,16 +23,8 @@ from train.inner import evaluate
 from train.logs import make_metric_logger
 from train.model import build_model, check_model_fits, load_tokenizer, load_weights_into, pick_device, save_model_dir
 from train.outer import outer_step_tensor
-from train.reduce import (
-    RejectedDelta,  # noqa: F401  (re-exported: tests and tools catch it from here)
-    arrived,
-    check_sidecar,
-    commit,
-    param_order,
-    prune_rounds,
-    reduce_round,
-    validate_and_reduce,
-)
+from train.protocol import commit, round_record
+from train.reduce import arrived, param_order, prune_rounds, reduce_round, validate_and_reduce
 from train.store import (
     PROTOCOL_VERSION,
     RunPaths,
@@ -147,9 +139,6 @@ class Coordinator:
         return int(p.get("step", 0)) if p.get("round") == r and p.get("status") == "training" else 0
 
     # -- validation and the outer step (train/reduce.py) ---------------------------------------------------------
-    def check_sidecar(self, r: int, w: int) -> dict:
-        return check_sidecar(self.paths, r, w, self.cfg.outer.delta_dtype)
-
     def _update(self, name: str, theta: torch.Tensor, grad: torch.Tensor, prev) -> tuple:
         """The outer step of one tensor: the pure Nesterov SGD of train/outer.py; the state is the momentum."""
         oc = self.cfg.outer
@@ -186,19 +175,8 @@ class Coordinator:
                                  cfg.inner.precision)
         t_eval = time.perf_counter() - t2
         missing = [w for w in range(oc.num_workers) if w not in workers]
-        prev = self._last_metrics()
-        tokens_round = sum(metas[w]["tokens"] for w in ok)
-        record = {
-            "round": r + 1, "time": time.time(), "eval_loss": eval_loss,
-            "train_loss": sum(metas[w]["loss"] * metas[w]["tokens"] for w in ok) / tokens_round,
-            "worker_loss": {f"w{w:03d}": metas[w]["loss"] for w in ok},
-            "tokens": (prev.get("tokens", 0) if prev else 0) + tokens_round,
-            "inner_steps": (prev.get("inner_steps", 0) if prev else 0) + oc.local_steps,
-            "workers_used": ok, "missing": missing, "rejected": {f"w{w:03d}": why for w, why in rejected.items()},
-            "bytes_read": io["bytes_read"], "bytes_written": io["bytes_written"],
-            "bytes_deltas": sum(metas[w]["bytes"] for w in ok),
-            "wait_s": round(t_wait, 3), "reduce_s": round(t_reduce, 3), "eval_s": round(t_eval, 3),
-        }
+        record = round_record(r, ok, metas, rejected, missing, io, self._last_metrics(), eval_loss=eval_loss,
+                              wait_s=round(t_wait, 3), reduce_s=round(t_reduce, 3), eval_s=round(t_eval, 3))
         t3 = time.perf_counter()
         commit(paths, r + 1, {"workers": ok, "missing": missing, "rejected": record["rejected"],
                               "eval_loss": None if math.isnan(eval_loss) else eval_loss})

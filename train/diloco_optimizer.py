@@ -45,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -54,9 +53,10 @@ import torch
 
 from train.errors import NotFound
 from train.model import WEIGHTS
-from train.reduce import arrived, commit, param_order, prune_rounds, validate_and_reduce
+from train.protocol import commit, delta_sidecar, publish_sidecar, round_record, write_delta
+from train.reduce import arrived, param_order, prune_rounds, validate_and_reduce
 from train.store import (PROTOCOL_VERSION, ProtocolError, RunPaths, append_jsonl, atomic_publish_dir,
-                         atomic_write_json, ensure_run_manifest, exclusive_lock, new_tmp_dir, read_json, read_jsonl,
+                         ensure_run_manifest, exclusive_lock, new_tmp_dir, read_json, read_jsonl,
                          wait_for, write_manifest)
 from train.tensorio import DTYPE_BY_NAME, StreamingWriter, iter_tensors
 
@@ -136,6 +136,7 @@ class DiLoCoOptimizer:
         self.local_step = 0  # inner steps in the current round
         self.total_steps = 0  # inner steps this process has taken
         self._losses: list[float] = []
+        self._round_t0 = time.perf_counter()  # start of the current round (the sidecar's train_seconds)
         if worker == reducer:
             self._setup_outer()  # fail on a bad outer optimizer now, not after the first round of training
         self._join()
@@ -284,6 +285,7 @@ class DiLoCoOptimizer:
             self._wait(lambda: (paths.latest_committed() or 0) > r, f"commit of round {r + 1}")
         self._load(paths.latest_committed())
         self.local_step, self._losses, self._published = 0, [], False
+        self._round_t0 = time.perf_counter()
         log.info("worker %d: now at round %d", self.worker, self.round)
 
     @torch.no_grad()
@@ -293,23 +295,18 @@ class DiLoCoOptimizer:
             log.warning("worker %d: round %d was committed without us (too slow); dropping our delta and "
                         "rejoining at round %d", self.worker, r, paths.latest_committed())
             return
-        dtype = DTYPE_BY_NAME[self.delta_dtype]
         try:
             paths.deltas_dir(r).mkdir(exist_ok=True)  # no parents: a pruned round stays gone
-            specs = {n: (dtype, tuple(self._theta[n].shape)) for n in self._names}
-            with StreamingWriter(paths.delta_file(r, self.worker), specs,
-                                 {"round": str(r), "worker": str(self.worker)}) as wr:
-                for n in self._names:
-                    wr.write(n, (self._theta[n] - self.params[n].detach().to("cpu", torch.float32)).to(dtype))
+            file = write_delta(paths.delta_file(r, self.worker), self._names, self._theta, self.params,
+                               self.delta_dtype, r, self.worker)
         except FileNotFoundError:
             log.warning("worker %d: round %d disappeared (reduced without us); rejoining", self.worker, r)
             return
         steps = max(self.local_step, 1)
         loss = sum(self._losses) / len(self._losses) if self._losses else None
-        atomic_write_json(paths.delta_meta(r, self.worker), {
-            "protocol": PROTOCOL_VERSION, "round": r, "worker": self.worker, "inner_steps": steps,
-            "tokens": self.batch_size * steps, "loss": loss, "sha256": wr.sha256, "bytes": wr.nbytes,
-            "dtype": self.delta_dtype, "host": socket.gethostname(), "time": time.time()})
+        publish_sidecar(paths, delta_sidecar(r, self.worker, file, inner_steps=steps, tokens=self.batch_size * steps,
+                                             loss=loss, last_loss=self._losses[-1] if self._losses else None,
+                                             train_seconds=time.perf_counter() - self._round_t0))
         self._published = True
 
     def _setup_outer(self) -> None:
@@ -360,19 +357,9 @@ class DiLoCoOptimizer:
             paths, r, workers, delta_dtype=self.delta_dtype, min_workers=self.min_workers,
             token_weighted=self.token_weighted, update=self._outer_update, state_specs=self._outer_specs)
         missing = [w for w in range(N) if w not in workers]
-        losses = {w: metas[w]["loss"] for w in ok}
-        tokens = sum(metas[w]["tokens"] for w in ok)
         prev = read_jsonl(paths.metrics)
-        record = {"round": r + 1, "time": time.time(), "workers_used": ok, "missing": missing,
-                  "rejected": {f"w{w:03d}": why for w, why in rejected.items()},
-                  "worker_loss": {f"w{w:03d}": v for w, v in losses.items()},
-                  "train_loss": (sum(losses[w] * metas[w]["tokens"] for w in ok) / tokens
-                                 if all(isinstance(v, (int, float)) for v in losses.values()) else None),
-                  "tokens": (prev[-1].get("tokens", 0) if prev else 0) + tokens,
-                  "inner_steps": (prev[-1].get("inner_steps", 0) if prev else 0) + max(m["inner_steps"]
-                                                                                       for m in metas.values()),
-                  "bytes_read": io["bytes_read"], "bytes_written": io["bytes_written"],
-                  "wait_s": round(t_wait, 3), "reduce_s": round(time.perf_counter() - t0 - t_wait, 3)}
+        record = round_record(r, ok, metas, rejected, missing, io, prev[-1] if prev else None,
+                              wait_s=round(t_wait, 3), reduce_s=round(time.perf_counter() - t0 - t_wait, 3))
         commit(paths, r + 1, {"workers": ok, "missing": missing, "rejected": record["rejected"]})
         append_jsonl(paths.metrics, record)
         prune_rounds(paths, r + 1, self.keep_rounds)

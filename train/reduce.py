@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
 from typing import Callable
 
 import torch
 
 from train.model import WEIGHTS
-from train.store import (PROTOCOL_VERSION, RunPaths, atomic_publish_dir, atomic_write_json, new_tmp_dir, read_json,
-                         write_manifest)
-from train.tensorio import DTYPE_BY_NAME, SequentialReader, StreamingWriter, read_header
+from train.protocol import RejectedDelta, check_sidecar
+from train.store import (RunPaths, atomic_publish_dir, new_tmp_dir, write_manifest)
+from train.tensorio import SequentialReader, StreamingWriter, read_header
 
 log = logging.getLogger("reduce")
 
@@ -34,10 +33,6 @@ Update = Callable[[str, torch.Tensor, torch.Tensor, Callable[[str], "torch.Tenso
 StateSpecs = Callable[[str, torch.dtype, tuple], "dict[str, tuple[torch.dtype, tuple]]"]
 
 
-class RejectedDelta(Exception):
-    def __init__(self, worker: int, reason: str):
-        super().__init__(f"w{worker:03d}: {reason}")
-        self.worker, self.reason = worker, reason
 
 
 def param_order(paths: RunPaths, r: int) -> list[str]:
@@ -49,45 +44,6 @@ def param_order(paths: RunPaths, r: int) -> list[str]:
 def arrived(paths: RunPaths, r: int, num_workers: int) -> list[int]:
     """Workers whose delta of round r is published (its sidecar marks it complete)."""
     return [w for w in range(num_workers) if paths.delta_meta(r, w).is_file()]
-
-
-def check_sidecar(paths: RunPaths, r: int, w: int, delta_dtype: str) -> dict:
-    """Cheap checks before reading tensors: sidecar fields, round, worker, size, header shapes and dtypes."""
-    try:
-        meta = read_json(paths.delta_meta(r, w))
-    except (OSError, ValueError) as e:
-        raise RejectedDelta(w, f"unreadable sidecar ({e})")
-    for key in ("round", "worker", "tokens", "sha256", "bytes", "inner_steps", "loss"):
-        if key not in meta:
-            raise RejectedDelta(w, f"sidecar lacks {key!r}")
-    if meta["round"] != r:
-        raise RejectedDelta(w, f"sidecar says round {meta['round']}, expected {r}")
-    if meta["worker"] != w:
-        raise RejectedDelta(w, f"sidecar says worker {meta['worker']}, file belongs to worker {w}")
-    if meta.get("protocol") != PROTOCOL_VERSION:
-        raise RejectedDelta(w, f"protocol {meta.get('protocol')}, expected {PROTOCOL_VERSION}")
-    if not isinstance(meta["tokens"], (int, float)) or meta["tokens"] <= 0:
-        raise RejectedDelta(w, f"tokens = {meta['tokens']!r} (must be > 0)")
-    f = paths.delta_file(r, w)
-    if not f.is_file():
-        raise RejectedDelta(w, "sidecar present but the delta file is missing")
-    if f.stat().st_size != meta["bytes"]:
-        raise RejectedDelta(w, f"file has {f.stat().st_size} bytes, sidecar says {meta['bytes']}")
-    try:
-        header, _ = read_header(f)
-    except (ValueError, OSError) as e:
-        raise RejectedDelta(w, f"not a safetensors file ({e})")
-    expect = read_header(paths.global_dir(r) / WEIGHTS)[0]
-    if set(header) != set(expect):
-        diff = sorted(set(header) ^ set(expect))
-        raise RejectedDelta(w, f"tensor names differ from the global model (e.g. {diff[:3]})")
-    want = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[DTYPE_BY_NAME[delta_dtype]]
-    for name, info in header.items():
-        if info["shape"] != expect[name]["shape"]:
-            raise RejectedDelta(w, f"{name}: shape {info['shape']}, global model has {expect[name]['shape']}")
-        if info["dtype"] != want:
-            raise RejectedDelta(w, f"{name}: dtype {info['dtype']}, expected {want} (the run's delta dtype)")
-    return meta
 
 
 def reduce_round(paths: RunPaths, r: int, workers: list[int], metas: dict[int, dict], weights: list[float],
@@ -182,11 +138,6 @@ def validate_and_reduce(paths: RunPaths, r: int, workers: list[int], *, delta_dt
         except RejectedDelta as e:
             rejected[e.worker] = e.reason
             log.error("round %d: rejected delta of worker %d: %s", r, e.worker, e.reason)
-
-
-def commit(paths: RunPaths, r: int, record: dict) -> None:
-    """The atomic marker that makes round r (global model + outer state) trusted."""
-    atomic_write_json(paths.committed(r), {"round": r, "time": time.time(), **record})
 
 
 def prune_rounds(paths: RunPaths, latest: int, keep: int) -> None:

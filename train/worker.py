@@ -45,6 +45,7 @@ from train.dist import (
 )
 from train.inner import InnerTrainer
 from train.model import WEIGHTS, load_weights_into, quiet_transformers
+from train.protocol import delta_sidecar, publish_sidecar, write_delta
 from train.store import (
     PROTOCOL_VERSION,
     ProtocolError,
@@ -55,7 +56,7 @@ from train.store import (
     read_json,
     wait_for,
 )
-from train.tensorio import DTYPE_BY_NAME, StreamingWriter, iter_tensors, read_header, save_streaming
+from train.tensorio import iter_tensors, read_header, save_streaming
 
 log = logging.getLogger("worker")
 
@@ -253,23 +254,14 @@ class Worker:
                  stats["tokens"] / max(stats["seconds"], 1e-9))
 
         # Δ = θ_r − θ_w, in the order of the global file so the reducer reads every file sequentially.
-        dtype = DTYPE_BY_NAME[cfg.outer.delta_dtype]
-        pending = paths.worker_pending_delta(self.w, r)
-        specs = {n: (dtype, tuple(theta_r[n].shape)) for n in names}
-        finite = True
-        with StreamingWriter(pending, specs, metadata={"round": str(r), "worker": str(self.w)}) as wr:
-            for n in names:
-                d = (theta_r[n] - params[n].detach().float().cpu()).to(dtype)
-                finite = finite and bool(torch.isfinite(d).all())
-                wr.write(n, d)
-        if not finite:
+        file = write_delta(paths.worker_pending_delta(self.w, r), names, theta_r, params, cfg.outer.delta_dtype,
+                           r, self.w)
+        if not file["finite"]:
             log.error("round %d: the delta has non-finite values (diverged?); publishing it anyway so the reducer "
                       "rejects it visibly", r)
-        sidecar = {"protocol": PROTOCOL_VERSION, "round": r, "worker": self.w, "inner_steps": H,
-                   "tokens": stats["tokens"], "loss": stats["loss"], "last_loss": stats["last_loss"],
-                   "sha256": wr.sha256, "bytes": wr.nbytes, "dtype": cfg.outer.delta_dtype,
-                   "host": socket.gethostname(), "train_seconds": stats["seconds"], "load_seconds": t_load,
-                   "processes": self.dist.world, "time": time.time()}
+        sidecar = delta_sidecar(r, self.w, file, inner_steps=H, tokens=stats["tokens"], loss=stats["loss"],
+                                last_loss=stats["last_loss"], train_seconds=stats["seconds"], load_seconds=t_load,
+                                processes=self.dist.world)
         # Our resume point: optimizer state, data position, schedule step, and the sidecar to publish.
         opt_file = paths.worker_opt(self.w, r)
         if opt_tensors is None:
@@ -300,7 +292,7 @@ class Worker:
         try:
             paths.deltas_dir(r).mkdir(parents=True, exist_ok=True)
             os.replace(pending, paths.delta_file(r, self.w))
-            atomic_write_json(paths.delta_meta(r, self.w), self.state["sidecar"])
+            publish_sidecar(paths, self.state["sidecar"])
         except FileNotFoundError:
             log.warning("round %d disappeared while publishing (already reduced and cleaned up)", r)
             return
