@@ -177,10 +177,8 @@ class PretrainBreeding:
 
 def breeding_for(cfg: RunConfig):
     """The mode's breeding strategy (PretrainBreeding or train.evomerge.EvoMergeBreeding)."""
-    if cfg.edt.mode == "evomerge":
-        from train.evomerge import EvoMergeBreeding
-        return EvoMergeBreeding(cfg)
-    return PretrainBreeding(cfg)
+    from train.edt_modes import mode_of
+    return mode_of(cfg).breeding(cfg)
 
 
 def breed(cfg: RunConfig, paths: EDTPaths, g: int, pool: list[Member], positions: dict[int, dict]) -> dict:

@@ -19,8 +19,8 @@ import time
 
 from train.config import ConfigError, RunConfig
 from train.data import TokenData, prepare_data
-from train.edt_breed import (Member, breed, load_job, population_size, steps_per_mutation,
-                             write_initial_population)
+from train.edt_breed import (Member, breed, load_job, population_size, write_initial_population)
+from train.edt_modes import mode_of
 from train.edt_store import EDTPaths, lease_age, member_id, requeue, server_now, stale_count, write_committed
 from train.evolution import fitness_function, rank_order
 from train.logs import make_metric_logger
@@ -38,9 +38,7 @@ def run_identity(cfg: RunConfig) -> dict:
     ident = {"strategy": "edt", "model": cfg.model.name, "initial_population": list(cfg.edt.initial_population),
              "tokenizer": cfg.model.tokenizer, "dataset": cfg.data.dataset, "fake_data": cfg.data.fake_data,
              "seq_length": cfg.data.seq_length, "population": population_size(cfg), "seed": cfg.seed}
-    if cfg.edt.mode == "evomerge":  # (pretraining runs keep the identity they always had)
-        ident.update(mode="evomerge", base_model=cfg.evomerge.base_model, tasks=cfg.evomerge.tasks)
-    return ident
+    return {**ident, **mode_of(cfg).identity(cfg)}
 
 
 class EDTCoordinator:
@@ -65,10 +63,7 @@ class EDTCoordinator:
         ensure_run_manifest(paths, run_identity(cfg))
         atomic_write_json(paths.config_json, cfg.to_dict())
         latest = paths.latest_generation()
-        if cfg.edt.mode == "evomerge":
-            self._setup_evomerge(latest)
-        else:
-            self._setup_pretrain(latest)
+        mode_of(cfg).setup(self, latest)
         done = read_json(paths.done) if paths.done.is_file() else None
         if done and done.get("generations", 0) < self.G:
             paths.done.unlink()  # asked for more generations: the workers must stay
@@ -342,8 +337,7 @@ class EDTCoordinator:
             self.tokenizer.save_pretrained(str(tmp))
         write_manifest(tmp)
         atomic_publish_dir(tmp, paths.final)
-        if self.cfg.edt.mode == "evomerge":
-            self.write_report(best.id)
+        mode_of(self.cfg).finish(self, best.id)
         atomic_write_json(paths.done, {"generations": g + 1, "best": best.id, "time": time.time()})
         log.info("final model (%s, eval loss %s) in %s", best.id, _fmt(best.result.get("eval_loss")), paths.final)
 
@@ -368,16 +362,4 @@ def _fmt(x) -> str:
 
 
 def config_summary(cfg: RunConfig) -> str:
-    ec = cfg.edt
-    if ec.mode == "evomerge":
-        em = cfg.evomerge
-        return (f"{cfg.project_name}: EvoMerge of {len(set(ec.initial_population))} models, population "
-                f"{population_size(cfg)} x {ec.max_generations} generations, methods {', '.join(em.merge_methods)}, "
-                f"mutation: "
-                f"{f'SFT {steps_per_mutation(cfg)} steps on {sorted(em.datasets)}' if em.datasets else 'none'}"
-                f", fitness "
-                f"{[t['name'] for t in em.tasks]}, {cfg.outer.num_workers} workers -> {cfg.run_dir}")
-    return (f"{cfg.project_name}: EDT population {population_size(cfg)} x {ec.max_generations} generations x "
-            f"{steps_per_mutation(cfg)} steps, {cfg.outer.num_workers} workers, crossover {ec.crossover}, "
-            f"selection {ec.selection}, genes {sorted(ec.genes) or 'none'}, model {cfg.model.name} -> {cfg.run_dir}")
-
+    return mode_of(cfg).summary(cfg)

@@ -41,6 +41,7 @@ from train.edt_store import (
     tmp_member_dir,
     try_claim,
 )
+from train.edt_modes import mode_of
 from train.inner import InnerTrainer, evaluate
 from train.model import WEIGHTS, load_weights_into, pick_device, quiet_transformers
 from train.store import (
@@ -185,11 +186,7 @@ class EDTWorker:
         if run.get("identity", {}).get("strategy") != "edt":
             raise ProtocolError(f"{paths.root} is not an EDT run (a DiLoCo run?): use another project_name")
         self.device = pick_device(cfg.inner.device)
-        if cfg.edt.mode == "evomerge":
-            from train.evomerge_mutate import EvoMergeMutation
-            self.mutation = EvoMergeMutation(cfg, self.device)
-        else:
-            self.mutation = PretrainMutation(cfg, paths, self.device)
+        self.mutation = mode_of(cfg).mutation(cfg, paths, self.device)
         log.info("EDT worker %d (%s) on %s, device %s", self.w, cfg.edt.mode, socket.gethostname(), self.device)
 
     # -- the loop -------------------------------------------------------------------------------------------------
