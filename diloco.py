@@ -11,7 +11,7 @@ Your own training loop (README "DiLoCoOptimizer"; workers synchronise through BA
                                  inner_optimizer=partial(torch.optim.AdamW, lr=4e-4),
                                  outer_optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
 
-Cluster (the launcher runs this for you next to the workers; see README):
+Cluster (the launcher runs this for you next to the workers; see docs/multi-machine.md):
     python diloco.py --config evolution.json           # coordinator: reduce + commit every round
     python -m train.worker --config evolution.json --worker 0
 """

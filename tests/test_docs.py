@@ -1,4 +1,4 @@
-"""The README stays true: its config reference matches the code, its commands and files exist."""
+"""The README and docs stay true: the config reference matches the code, their commands and files exist."""
 from __future__ import annotations
 
 import re
@@ -10,11 +10,12 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "scripts"))
 
 
-def test_config_reference_in_readme_is_current():
-    from update_readme import render
+def test_config_reference_is_current():
+    from update_config_doc import START, TARGET, render
 
-    readme = (REPO / "README.md").read_text()
-    assert render(readme) == readme, "README config reference is stale: run `python scripts/update_readme.py`"
+    page = TARGET.read_text()
+    assert START in page, f"{TARGET} lost its config-reference markers"
+    assert render(page) == page, "docs/config.md config reference is stale: run `python scripts/update_config_doc.py`"
 
 
 def test_readme_quickstart_commands_name_real_entry_points():

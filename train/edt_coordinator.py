@@ -1,7 +1,7 @@
 """The EDT coordinator: prepare the run, then per generation wait for the members' results, evaluate fitness,
 select, cross over, and commit the next generation's jobs.
 
-Generation g (DESIGN.md "EDT generation g"):
+Generation g (docs/edt.md):
   jobs of g committed ─► workers mutate + evaluate every member (any worker, any order; re-queued when a lease
   expires) ─► all results in: fitness, genome.json per member, lineage.jsonl, metrics.jsonl, plots, disk cleanup
   ─► selection over the members of g and g−1 ─► crossover (streaming) ─► jobs of g+1 ─► COMMITTED of g+1.

@@ -1,6 +1,6 @@
 """Crossover of two models: pure functions on tensors / state dicts, and their streaming form over safetensors.
 
-Three methods (EDT generation, DESIGN.md):
+Three methods (EDT generation, docs/edt.md):
 
 * outer_sgd — the prototype's pairwise outer step. With parents a, b, their pre-mutation weights θ_a, θ_b (what they
   started their mutation from), their mutated weights θ'_a, θ'_b and their outer momenta m_a, m_b:

@@ -6,7 +6,7 @@ The outer update itself is a callback (`update(name, θ_r, g, prev) -> (θ_{r+1}
 coordinator passes the pure Nesterov step of train/outer.py, DiLoCoOptimizer the user's torch outer optimizer.
 Everything is streamed tensor by tensor, so the reducer holds about one tensor of every file at a time.
 
-Commit of round r + 1 (DESIGN.md invariants):
+Commit of round r + 1 (docs/protocol.md, invariants):
   rounds/r+1/global/ (temp dir → manifest → rename) and outer_state.safetensors (atomic), then COMMITTED (atomic).
 A crash before COMMITTED leaves nothing a reader trusts; rerunning recomputes the same round from the same deltas.
 """

@@ -2,7 +2,7 @@
 
     python -m train.worker --config evolution.json --worker 0 [--set inner.lr=1e-3 ...]
 
-Round r, worker w (DESIGN.md, "DiLoCo round r"):
+Round r, worker w (docs/protocol.md):
   1. wait until θ_r is committed; load it (and our inner optimizer state / data position on a restart)
   2. H inner AdamW steps on our shard
   3. write Δ = θ_r − θ_w to workers/wXXX/delta-r.safetensors (private, atomic)
