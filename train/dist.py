@@ -3,7 +3,7 @@
 One code path for one process and many (nanochat's `get_dist_info()`): without torchrun's environment everything
 reports rank 0 of 1 and every collective here is a no-op, so the single-process worker runs exactly as before.
 
-Inside a group (the BASE_DIR protocol of docs/protocol.md is unchanged): rank 0 alone reads and writes the protocol files
+Inside a group (docs/protocol.md is unchanged): rank 0 alone reads and writes the protocol files
 (markers, global models, deltas, worker state, heartbeat, lock) and tells the other ranks what to do through small
 JSON messages broadcast as byte tensors (no pickle, even in memory); parameters and optimizer state reach them by
 broadcast. The other ranks only memory-map the token cache. Gradients are averaged by DDP, or reduce-scattered by

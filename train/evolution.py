@@ -189,10 +189,3 @@ def decode(dna: DNA, genes: Mapping[str, Sequence[float]], base: Mapping[str, fl
         out[name] = v * float(base[name]) if gene.relative else v
     return out
 
-
-def gene_table() -> str:
-    """The genes as a Markdown table (docs)."""
-    rows = ["| gene | scale | drives |", "|---|---|---|"]
-    for g in GENES.values():
-        rows.append(f"| `{g.name}` | {'log' if g.log else 'linear'}{', x base' if g.relative else ''} | {g.drives} |")
-    return "\n".join(rows)

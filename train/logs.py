@@ -7,7 +7,6 @@ wandb reads WANDB_API_KEY from the environment as it always does).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
@@ -128,6 +127,3 @@ def make_metric_logger(kind: str, run_dir: Path, project: str, config: dict) -> 
                                  f"`pip install {e.name}`, or set logging.metrics to jsonl") from None
     return TeeLogger(jsonl, extra)
 
-
-def format_metrics(record: dict) -> str:
-    return json.dumps(_clean(record), sort_keys=True)

@@ -295,12 +295,6 @@ def linear_merge(tensors: Sequence[Tensor], weights: Sequence[float], normalize:
                 [float(w) for w in weights], normalize)
 
 
-def slerp_merge(t: float, a: Tensor, b: Tensor) -> Tensor:
-    """train.merge.slerp, chunked (same values up to float32 rounding of the angle)."""
-    _check_same_shape([a, b], "slerp")
-    return _run(_slerp, a.numel(), a.shape, a.dtype, None, memory_source(a), memory_source(b), float(t))
-
-
 def _gta(base: Tensor, tensors, weights, **kw) -> Tensor:
     _check_same_shape([base, *tensors], "merge")
     x = tensors[0]
@@ -494,10 +488,3 @@ def merge_state_dicts(recipe: Recipe, models: Sequence[Mapping[str, Tensor]],
         out[name] = merge_tensor(recipe, name, [memory_source(t) for t in ts],
                                  memory_source(b) if use_base else None, x.numel(), x.shape, x.dtype, num_layers)
     return out
-
-
-def __getattr__(name: str):  # the file form lives in train.merge_stream (imported lazily: no cycle)
-    if name in ("check_compatible", "merge_model_dirs"):
-        from train import merge_stream
-        return getattr(merge_stream, name)
-    raise AttributeError(name)

@@ -19,7 +19,7 @@ import torch
 from train.errors import ConfigError, EnvironmentProblem, ModelError, NotFound
 from train.config import RunConfig
 from train.store import atomic_publish_dir, new_tmp_dir, write_manifest
-from train.tensorio import StreamingWriter, iter_tensors
+from train.tensorio import iter_tensors
 
 WEIGHTS = "model.safetensors"
 
@@ -133,26 +133,6 @@ def save_model_dir(model: torch.nn.Module, final_dir: Path, tokenizer=None, reco
         raise
 
 
-def write_model_dir_from(template_dir: Path, final_dir: Path, specs: dict, tensor_stream, extra_files=()) -> str:
-    """Write a model directory whose config comes from `template_dir` and whose weights come from
-    `tensor_stream` (an iterator of (name, tensor) in `specs` order), streaming. Returns the weights' sha256."""
-    tmp = new_tmp_dir(final_dir)
-    try:
-        for fname in ("config.json", "generation_config.json", *extra_files):
-            src = template_dir / fname
-            if src.is_file():
-                shutil.copy2(src, tmp / fname)
-        with StreamingWriter(tmp / WEIGHTS, specs, metadata={"format": "pt"}) as w:
-            for name, t in tensor_stream:
-                w.write(name, t)
-        write_manifest(tmp, hashes={WEIGHTS: w.sha256})
-        atomic_publish_dir(tmp, final_dir)
-        return w.sha256
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def load_weights_into(model: torch.nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
     """Copy the tensors of a model directory into `model` in place; returns them (float32 CPU copies)."""
     params = params_of(model)
@@ -168,10 +148,6 @@ def load_weights_into(model: torch.nn.Module, model_dir: Path) -> dict[str, torc
     if missing:
         raise ModelError(f"{model_dir}: missing tensors {sorted(missing)[:5]}")
     return seen
-
-
-def model_config_json(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
 
 
 def pick_device(spec: str) -> torch.device:
