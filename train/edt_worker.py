@@ -55,7 +55,7 @@ from train.store import (
     write_manifest,
 )
 from train.tensorio import StreamingWriter, read_header
-from train.worker import Heartbeat
+from train.heartbeat import Heartbeat
 
 log = logging.getLogger("edt-worker")
 

@@ -25,7 +25,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from train.dist import (
 )
 from train.inner import InnerTrainer
 from train.model import WEIGHTS, load_weights_into, quiet_transformers
+from train.heartbeat import Heartbeat
 from train.protocol import delta_sidecar, publish_sidecar, write_delta
 from train.store import (
     PROTOCOL_VERSION,
@@ -59,40 +59,6 @@ from train.store import (
 from train.tensorio import iter_tensors, read_header, save_streaming
 
 log = logging.getLogger("worker")
-
-
-class Heartbeat:
-    """workers/wXXX/progress.json, rewritten at most every `every` seconds (progress bars, `status`).
-
-    Beats during training are written by a background thread: the fsyncs of an atomic write would otherwise stall
-    the step (and, in a torchrun group, every rank waiting for rank 0 in the next all-reduce). A beat due while the
-    previous one is still being written is skipped; forced beats (status changes) wait for it and are written here.
-    """
-
-    def __init__(self, path, worker: int, every: float = 1.0):
-        self.path, self.worker, self.every = path, worker, every
-        self._last = 0.0
-        self._writer: threading.Thread | None = None
-
-    def beat(self, force: bool = False, **fields) -> None:
-        now = time.time()
-        if not force and now - self._last < self.every:
-            return
-        busy = self._writer is not None and self._writer.is_alive()
-        if busy and not force:
-            return
-        self._last = now
-        loss = fields.get("loss")
-        if isinstance(loss, torch.Tensor):
-            fields["loss"] = float(loss)
-        record = {"worker": self.worker, "pid": os.getpid(), "host": socket.gethostname(), "time": now, **fields}
-        if force:
-            if busy:
-                self._writer.join()
-            atomic_write_json(self.path, record)
-            return
-        self._writer = threading.Thread(target=atomic_write_json, args=(self.path, record), daemon=True)
-        self._writer.start()
 
 
 def build_worker_model(paths: RunPaths, model_config: dict | None = None):
