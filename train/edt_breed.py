@@ -95,12 +95,11 @@ def initial_specs(cfg: RunConfig, P: int) -> list[str]:
     return specs + [rng.choice(specs) for _ in range(P - len(specs))]
 
 
-def write_initial_population(cfg: RunConfig, paths: EDTPaths) -> list[str]:
+def write_initial_population(cfg: RunConfig, paths: EDTPaths, breeding) -> list[str]:
     """Generation 0's jobs: each member is its model as loaded/initialised (one seed: members that share a config
     start identical, as DiLoCo's workers do) with a random DNA. Returns the specs used."""
     P = population_size(cfg)
     specs = initial_specs(cfg, P)
-    breeding = breeding_for(cfg)
     dna_rng = generation_rng(cfg.seed, 0, 1)
     shapes = None
     built: dict[str, object] = {}
@@ -139,7 +138,7 @@ def assign_slots(pairs: list[tuple[int, int]], pool: list[Member], P: int) -> li
 
 class PretrainBreeding:
     """What a DNA means and how a child's weights are made in evolutionary pretraining (edt.mode = pretrain).
-    The same interface as train.evomerge.EvoMergeBreeding (post-training), which `breeding_for` picks instead."""
+    The same interface as train.evomerge.EvoMergeBreeding (post-training), which train/edt_modes.py picks instead."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -175,14 +174,9 @@ class PretrainBreeding:
         return fill
 
 
-def breeding_for(cfg: RunConfig):
-    """The mode's breeding strategy (PretrainBreeding or train.evomerge.EvoMergeBreeding)."""
-    from train.edt_modes import mode_of
-    return mode_of(cfg).breeding(cfg)
-
-
-def breed(cfg: RunConfig, paths: EDTPaths, g: int, pool: list[Member], positions: dict[int, dict]) -> dict:
-    """Write generation g's jobs from the pool (members of g-1 and g-2). Returns I/O stats and the pairs."""
+def breed(cfg: RunConfig, paths: EDTPaths, g: int, pool: list[Member], positions: dict[int, dict], breeding) -> dict:
+    """Write generation g's jobs from the pool (members of g-1 and g-2) with the mode's breeding strategy
+    (PretrainBreeding here, or train.evomerge.EvoMergeBreeding). Returns I/O stats and the pairs."""
     ec = cfg.edt
     P = population_size(cfg)
     pool = [p for p in pool if math.isfinite(p.fitness)]  # diverged or rejected members take no part
@@ -193,7 +187,6 @@ def breed(cfg: RunConfig, paths: EDTPaths, g: int, pool: list[Member], positions
                          generation_rng(cfg.seed, g, 0))
     slots = assign_slots(pairs, pool, P)
     dna_rng = generation_rng(cfg.seed, g, 1)
-    breeding = breeding_for(cfg)
     stats = {"bytes_read": 0, "bytes_written": 0, "pairs": {}}
     t0 = time.perf_counter()
     for k, ((ia, ib), slot) in enumerate(zip(pairs, slots)):

@@ -68,7 +68,7 @@ class EDTCoordinator:
         if done and done.get("generations", 0) < self.G:
             paths.done.unlink()  # asked for more generations: the workers must stay
         if latest is None:
-            write_initial_population(cfg, paths)
+            write_initial_population(cfg, paths, mode_of(cfg).breeding(cfg))
             write_committed(paths, 0, {"population": self.P, "bytes_read": 0, "bytes_written": 0})
         self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
         self._ready = True
@@ -241,7 +241,7 @@ class EDTCoordinator:
             prev = next((mb for mb in members if mb.m == m), None)
             positions[m] = dict(prev.result.get("position") or load_job(self.paths, g - 1, m)["position"]) \
                 if prev else {"own": 0, "mix": 0}
-        stats = breed(self.cfg, self.paths, g, pool, positions)
+        stats = breed(self.cfg, self.paths, g, pool, positions, mode_of(self.cfg).breeding(self.cfg))
         write_committed(self.paths, g, {"population": self.P, "bytes_read": stats["bytes_read"],
                                         "bytes_written": stats["bytes_written"], "crossover_s": stats["crossover_s"],
                                         "pairs": stats["pairs"]})

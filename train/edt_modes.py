@@ -35,7 +35,7 @@ class PretrainMode:
         return PretrainBreeding(cfg)
 
     def mutation(self, cfg: "RunConfig", paths: "EDTPaths", device: "torch.device"):
-        from train.edt_worker import PretrainMutation
+        from train.edt_mutate import PretrainMutation
         return PretrainMutation(cfg, paths, device)
 
     def finish(self, coord, final_id: str) -> None:
