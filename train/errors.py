@@ -64,6 +64,18 @@ def missing_package(package: str, purpose: str, extra: str | None = None) -> Env
     return EnvironmentProblem(f"{purpose} needs the package {package!r}, which is not installed: {how}")
 
 
+def setup_logging(name: str, level: int = logging.INFO) -> logging.Logger:
+    """One stderr handler for the process (the simulator and the launcher send each process's stderr to its log)."""
+    root = logging.getLogger()
+    if not any(getattr(h, "_edt", False) for h in root.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+        h._edt = True  # type: ignore[attr-defined]
+        root.addHandler(h)
+        root.setLevel(level)
+    return logging.getLogger(name)
+
+
 def _is_secondary_rank() -> bool:
     """Inside a torchrun group, ranks > 0 stay quiet about errors rank 0 reports too (same config, same message)."""
     try:
@@ -79,8 +91,6 @@ def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO)
     machine, not a bug: one line too. In a torchrun group, ranks > 0 print nothing for an error rank 0 also
     reports, and a rank that loses its peers because another rank exited says so in one line.
     """
-    from train.logs import setup_logging
-
     secondary = _is_secondary_rank()
     log = setup_logging(name, logging.ERROR if secondary else level)
     if secondary:

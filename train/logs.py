@@ -7,24 +7,11 @@ wandb reads WANDB_API_KEY from the environment as it always does).
 """
 from __future__ import annotations
 
-import logging
 import math
-import sys
 from pathlib import Path
 
 from train.errors import EnvironmentProblem
 from train.store import append_jsonl
-
-
-def setup_logging(name: str, level: int = logging.INFO) -> logging.Logger:
-    root = logging.getLogger()
-    if not any(getattr(h, "_edt", False) for h in root.handlers):
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
-        h._edt = True  # type: ignore[attr-defined]
-        root.addHandler(h)
-        root.setLevel(level)
-    return logging.getLogger(name)
 
 
 def _clean(record: dict) -> dict:
