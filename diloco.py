@@ -17,7 +17,6 @@ Cluster (the launcher runs this for you next to the workers; see docs/multi-mach
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from train.diloco_optimizer import DiLoCoOptimizer, load_global  # noqa: F401  (public API)
@@ -31,21 +30,9 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def main() -> int:
-    from train.cli import add_config_args, load_from_args, preflight
-    from train.coordinator import Coordinator, config_summary
-    from train.model import quiet_transformers
-
-    ap = argparse.ArgumentParser(description="DiLoCo coordinator: waits for the workers' deltas on BASE_DIR, "
-                                             "applies the outer step and commits each round.")
-    add_config_args(ap)
-    args = ap.parse_args()
-    cfg, _ = load_from_args(args)
-    quiet_transformers()
-    import logging
-    preflight(cfg)
-    logging.getLogger("coordinator").info("%s", config_summary(cfg))
-    Coordinator(cfg).run()
-    return 0
+    from train.cli import coordinator_main
+    return coordinator_main("diloco", "DiLoCo coordinator: waits for the workers' deltas on BASE_DIR, applies the "
+                                      "outer step and commits each round.")
 
 
 if __name__ == "__main__":

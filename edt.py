@@ -41,21 +41,9 @@ def add_edt_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main() -> int:
-    from train.cli import load_from_args, preflight
-    from train.edt_coordinator import EDTCoordinator, config_summary
-    from train.model import quiet_transformers
-
-    ap = argparse.ArgumentParser(description="EDT coordinator: waits for the members' results on BASE_DIR, "
-                                             "selects, crosses over and commits each generation.")
-    add_edt_args(ap)
-    args = ap.parse_args()
-    cfg, _ = load_from_args(args)
-    quiet_transformers()
-    import logging
-    preflight(cfg, "edt")
-    logging.getLogger("edt-coordinator").info("%s", config_summary(cfg))
-    EDTCoordinator(cfg).run()
-    return 0
+    from train.cli import coordinator_main
+    return coordinator_main("edt", "EDT coordinator: waits for the members' results on BASE_DIR, selects, crosses "
+                                   "over and commits each generation.", add_edt_args)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ COMMANDS = ("launch", "status", "logs", "stop", "preflight")
 
 def build_parser() -> argparse.ArgumentParser:
     from train.cli import add_config_args
-    from train.launcher import STRATEGIES
+    from train.strategies import STRATEGIES
 
     common = argparse.ArgumentParser(add_help=False)
     add_config_args(common)
@@ -34,12 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=180.0, help="seconds a remote command may take (default: "
                                                                 "%(default)s)")
     g.add_argument("--dry-run", action="store_true", help="print the exact remote commands; connect to nothing")
+    g.add_argument("--strategy", choices=sorted(STRATEGIES), default="diloco",
+                   help="diloco or edt: which run (and its default project) the subcommand is about")
 
     ap = argparse.ArgumentParser(prog="launch_to_machines.py", description=__doc__.split("\n")[0],
                                  epilog="Without a subcommand: launch (the prototype's behaviour).")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("launch", parents=[common], help="start the coordinator and the workers")
-    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="diloco")
     p.add_argument("--keep-on-failure", action="store_true",
                    help="when a host fails to start, keep the processes started on the others")
     p.add_argument("--check-seconds", type=float, default=2.0,
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     from train.ssh import SSHError, SSHOptions
 
     import logging
+
+    from train.errors import setup_logging
+    setup_logging("launcher")  # info lines: the derived worker count, config notes
     logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # its errors reach us as SSHError, with the fix
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = next((x for x in argv if x in COMMANDS), None)
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         machines = load_machines(a.machines)
         opts = SSHOptions(known_hosts=a.known_hosts, accept_new_host_keys=a.accept_new_host_keys,
                           connect_timeout=a.connect_timeout)
-        ln = Launcher(machines, a.config, overrides_from(a), opts, timeout=a.timeout)
+        ln = Launcher(machines, a.config, overrides_from(a), opts, timeout=a.timeout, strategy=a.strategy)
         if a.command == "launch":
             return ln.launch(a.strategy, a.dry_run, a.keep_on_failure, a.check_seconds)
         if a.command == "status":

@@ -37,13 +37,17 @@ def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
 def test_repo_evolution_json_loads():
     cfg = load_config(REPO / "evolution.json")
     raw = json.loads((REPO / "evolution.json").read_text())
-    assert cfg.project_name == raw["PROJECT_NAME"]
+    # no project name and no worker count in the shipped file: each strategy has its own default run folder, and
+    # the launcher runs one worker per machine (the simulators: outer.num_workers' default, 2)
+    assert "PROJECT_NAME" not in raw and "num_workers" not in raw["outer"]
+    assert cfg.project_name == "diloco-shakespeare" and cfg.outer.num_workers == 2
     assert cfg.outer.lr == raw["outer"]["lr"] and cfg.outer.momentum == raw["outer"]["momentum"]
     assert cfg.outer.nesterov is True
     assert cfg.data.seq_length == raw["data"]["seq_length"]
     assert cfg.inner.precision == "fp32"
     # relative BASE_DIR resolves next to the file, i.e. in the repo
-    assert cfg.run_dir == REPO / raw["BASE_DIR"] / raw["PROJECT_NAME"]
+    assert cfg.run_dir == REPO / raw["BASE_DIR"] / "diloco-shakespeare"
+    assert load_config(REPO / "evolution.json", strategy="edt").run_dir == REPO / raw["BASE_DIR"] / "edt-shakespeare"
     # the relative model / data / tokenizer paths resolve to files that ship with the repo
     assert Path(cfg.resolve_path(cfg.model.name)).is_file()
     assert Path(cfg.resolve_path(cfg.data.dataset)).is_dir()
@@ -68,15 +72,18 @@ def test_defaults_load_with_the_swept_outer_setting():
 
 def test_legacy_flat_keys_map_to_fields(tmp_path):
     legacy = {
-        "PROJECT_NAME": "proto", "BASE_DIR": "/tmp/shared", "INITIAL_POPULATION": ["m1", "m2"],
+        "PROJECT_NAME": "proto", "BASE_DIR": "/tmp/shared", "INITIAL_POPULATION": ["m1", "m1"],
         "MAX_GENERATIONS": 7, "EVAL_BATCH_SIZE": 5, "MUTATION_PROBABILITY": 0.25, "MUTATION_STRENGTH": 0.05,
         "ELITISM": 2, "OUTER_LR": 0.4, "OUTER_MOMENTUM": 0.8, "OUTER_NESTEROV": False, "NUM_MACHINES": 3,
+        "POPULATION_SIZE": 4,
     }
-    assert set(legacy) == set(LEGACY_KEYS)  # the test covers every legacy key
+    assert set(legacy) | {"population_size"} == set(LEGACY_KEYS)  # the test covers every legacy key
     cfg = load_config(_write(tmp_path / "evolution.json", legacy))
+    assert cfg.edt.population_size == 4 and cfg.edt.mode == "pretrain"  # one model listed: pretraining
+    assert load_config(_write(tmp_path / "lower.json", {"population_size": 8})).edt.population_size == 8
     assert cfg.project_name == "proto"
     assert cfg.base_dir == "/tmp/shared" and cfg.run_dir == Path("/tmp/shared/proto")
-    assert cfg.edt.initial_population == ["m1", "m2"]
+    assert cfg.edt.initial_population == ["m1", "m1"]
     assert cfg.edt.max_generations == 7
     assert cfg.eval.batch_size == 5
     assert cfg.edt.mutation_probability == 0.25
@@ -210,6 +217,55 @@ def test_tiny_test_config_is_valid(tmp_path):
     assert cfg.inner.device == "cpu" and cfg.inner.threads == 1
 
 
+def test_elitism_larger_than_the_population_is_refused(tmp_path):
+    msg = _err(tmp_path, {"edt": {"elitism": 5, "population_size": 4}})
+    assert "edt.elitism = 5: must be <= the population, 4 (edt.population_size)" in msg
+    msg = _err(tmp_path, {"outer": {"num_workers": 2}, "edt": {"elitism": 3}})
+    assert "edt.elitism = 3: must be <= the population, 2 (edt.population_size = 0: outer.num_workers)" in msg
+    assert "ELITISM" not in msg and len(msg.splitlines()) == 1
+    assert _err(tmp_path, {"ELITISM": 3, "POPULATION_SIZE": 2}).count("edt.elitism = 3") == 1  # prototype names
+    assert build_config({"edt": {"elitism": 4, "population_size": 4}}).edt.elitism == 4  # all elites: allowed
+
+
+def test_each_strategy_has_its_own_default_project():
+    diloco, edt = build_config({}), build_config({}, strategy="edt")
+    assert (diloco.project_name, edt.project_name) == ("diloco-shakespeare", "edt-shakespeare")
+    assert diloco.run_dir != edt.run_dir
+    # the strategy's choice is handed to the run's other processes as an override
+    assert edt.default_overrides() == ["project_name=edt-shakespeare"]
+    assert build_config({}, edt.default_overrides()).project_name == "edt-shakespeare"
+    # a project the user names is kept, whatever the strategy
+    for raw, ovs in (({"PROJECT_NAME": "mine"}, []), ({}, ["project_name=mine"]), ({"project_name": "mine"}, [])):
+        cfg = build_config(raw, ovs, strategy="edt")
+        assert cfg.project_name == "mine" and cfg.default_overrides() == []
+    assert build_config({"project_name": None}, strategy="edt").default_overrides() == ["project_name=edt-shakespeare"]
+    with pytest.raises(ValueError, match="strategy 'x'"):
+        build_config({}, strategy="x")
+
+
+def test_user_keys_and_defaults():
+    cfg = build_config({"outer": {"lr": 0.5}}, ["seed=3"], defaults={"outer.num_workers": 5, "outer.lr": 0.1})
+    assert cfg.user_keys == {"outer.lr", "seed"}
+    assert (cfg.outer.num_workers, cfg.outer.lr) == (5, 0.5)  # a default never beats the user's value
+    assert build_config({"NUM_MACHINES": 3}, defaults={"outer.num_workers": 5}).outer.num_workers == 3
+
+
+def test_prototype_keys_without_a_meaning_here_are_accepted_with_a_note(tmp_path, caplog):
+    path = _write(tmp_path / "evolution.json", {"PROJECT_NAME": "p", "LOCAL_PACKAGE": "./train"})
+    with caplog.at_level("INFO", logger="config"):
+        cfg = load_config(path)
+    assert cfg.project_name == "p" and "LOCAL_PACKAGE" not in json.dumps(cfg.to_dict())
+    notes = [r.getMessage() for r in caplog.records if r.name == "config"]
+    assert notes == [f"{path}: LOCAL_PACKAGE = \"./train\" is ignored: the prototype copied this folder to every "
+                     "machine before a run; here every machine runs the installed package of its checkout "
+                     "(machines.json `workdir`, `pip install -e .`), so there is nothing to copy"]
+
+
+def test_empty_base_dir_says_what_to_give():
+    with pytest.raises(ConfigError, match=r'base_dir = "": must be a folder path: .* or "\." for the config'):
+        build_config({"BASE_DIR": ""})
+
+
 # -- machines.json ---------------------------------------------------------------------------------------------------
 def test_repo_machines_json_loads():
     ms = load_machines(REPO / "machines.json")
@@ -224,8 +280,10 @@ def test_prototype_plain_host_list(tmp_path):
 
 
 def test_object_entries(tmp_path):
+    (tmp_path / "k").write_text("key")
     ms = load_machines(_write(tmp_path / "machines.json", [
-        {"host": "gpu1", "port": 2222, "user": "alice", "identity_file": "~/.ssh/k", "python": "/venv/bin/python",
+        {"host": "gpu1", "port": 2222, "user": "alice", "identity_file": str(tmp_path / "k"),
+         "python": "/venv/bin/python",
          "workdir": "/share/edt", "env": {"CUDA_VISIBLE_DEVICES": "0,1", "_X": "y"}, "setup": "source a",
          "gpus": 2},
         "gpu1",  # same host, other port: a distinct machine
@@ -233,7 +291,7 @@ def test_object_entries(tmp_path):
     ]))
     a, b, c = ms
     assert (a.host, a.port, a.user, a.identity_file, a.python, a.workdir, a.setup, a.gpus) == \
-        ("gpu1", 2222, "alice", "~/.ssh/k", "/venv/bin/python", "/share/edt", "source a", 2)
+        ("gpu1", 2222, "alice", str(tmp_path / "k"), "/venv/bin/python", "/share/edt", "source a", 2)
     assert a.env == {"CUDA_VISIBLE_DEVICES": "0,1", "_X": "y"}
     assert [m.label for m in ms] == ["gpu1:2222", "gpu1", "gpu1-again"]
     assert b.env == {} and b.env is not c.env
@@ -269,6 +327,18 @@ def test_bad_machines_give_clear_errors(tmp_path, obj, expected):
     assert expected in msg, msg
 
 
+def test_missing_identity_file_fails_at_load(tmp_path):
+    (tmp_path / "id_ok").write_text("key")
+    path = _write(tmp_path / "machines.json", [{"host": "gpu1", "identity_file": str(tmp_path / "id_ok")},
+                                               {"host": "gpu2", "identity_file": "~/.ssh/no_such_key_here"}])
+    with pytest.raises(ConfigError) as ei:
+        load_machines(path)
+    msg = str(ei.value)
+    assert msg.startswith(f"{path}: entry 1 (host gpu2): identity_file = \"~/.ssh/no_such_key_here\": "
+                          "no such file"), msg
+    assert "point it at your private key" in msg and len(msg.splitlines()) == 1
+
+
 def test_missing_machines_file(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_machines(tmp_path / "machines.json")
@@ -293,6 +363,6 @@ def test_reference_markdown_lists_every_key_with_its_default_and_doc():
         assert default == f"`{json.dumps(value)}`", key
         assert meaning, f"{key} has no doc"
     for legacy_name, key in LEGACY_KEYS.items():
-        assert rows[key][2] == legacy_name
+        assert legacy_name in rows[key][2].split(", ")
     # machines.json fields are documented too (the README's machines table comes from their docs)
     assert all(f.metadata.get("doc") for f in dataclasses.fields(Machine))

@@ -24,7 +24,7 @@ from helpers_proc import wait_until
 from sshd_fixture import HOSTS, free_port, new_key, skip_reason, start_sshd
 from train.config import ConfigError
 from train.machines import load_machines
-from train.launcher import STRATEGIES, Launcher, shell_line
+from train.launcher import Launcher, shell_line
 from train.remote import group_members, records, state_of
 from train.ssh import HostKeyError, SSHError, SSHOptions, connect
 from train.store import RunPaths
@@ -49,11 +49,11 @@ def test_plan_worker_i_on_machine_i_round_robin_over_gpus(tmp_path):
     assert [(p.role, p.machine.host, p.env.get("CUDA_VISIBLE_DEVICES")) for p in procs] == [
         ("coordinator", "a", None), ("worker-000", "a", "0"), ("worker-001", "b", None), ("worker-002", "c", "3"),
         ("worker-003", "a", "1"), ("worker-004", "a", "0"), ("worker-005", "b", None)]
-    assert procs[0].argv[1:3] == ["diloco.py", "--config"] and procs[0].argv[-1] == "--no-progress"
+    assert procs[0].argv[1:4] == ["-m", "diloco", "--config"] and procs[0].argv[-1] == "--no-progress"
     assert procs[1].argv[1:3] == ["-m", "train.worker"] and procs[1].argv[-4:] == ["--worker", "0", "--set",
                                                                                      "inner.threads=1"]
     edt = ln.plan("edt")
-    assert edt[0].argv[1] == STRATEGIES["edt"]["coordinator"][0] == "edt.py"
+    assert edt[0].argv[1:3] == ["-m", "edt"]  # the coordinator runs as a module (train/strategies.py)
     assert edt[1].argv[2] == "train.edt_worker"
     with pytest.raises(ConfigError, match="--strategy nope: must be one of diloco, edt"):
         ln.plan("nope")
@@ -101,6 +101,83 @@ def test_dry_run_prints_exact_commands_and_connects_to_nothing(tmp_path):
         if sub == "launch":
             assert "--role worker-001 --check 2.0 -- python3 -m train.worker --config" in out.stdout
             assert not (tmp_path / "runs").exists()
+
+
+def _config_without(tmp_path, *keys, **sections) -> Path:
+    """tiny_config with some keys left out (e.g. outer.num_workers, project_name), as the user did."""
+    raw = tiny_config(tmp_path / "runs", **sections)
+    for key in keys:
+        *parents, leaf = key.split(".")
+        d = raw
+        for part in parents:
+            d = d[part]
+        d.pop(leaf)
+    (tmp_path / "evolution.json").write_text(json.dumps(raw))
+    return tmp_path / "evolution.json"
+
+
+def test_one_worker_per_machine_when_num_workers_is_not_set(tmp_path, caplog):
+    (tmp_path / "machines.json").write_text(json.dumps(["192.168.0.1", "192.168.0.2", "192.168.0.3"]))  # seed 000
+    cfg = _config_without(tmp_path, "outer.num_workers")
+    with caplog.at_level("INFO", logger="launcher"):
+        ln = Launcher(load_machines(tmp_path / "machines.json"), str(cfg), [], SSHOptions())
+    procs = ln.plan()
+    assert ln.cfg.outer.num_workers == 3 and "outer.num_workers" not in ln.cfg.user_keys
+    assert [(p.role, p.machine.host) for p in procs[1:]] == [("worker-000", "192.168.0.1"),
+                                                             ("worker-001", "192.168.0.2"),
+                                                             ("worker-002", "192.168.0.3")]
+    # every remote process gets the derived count, so the coordinator waits for exactly these workers
+    assert all(p.argv[p.argv.index("outer.num_workers=3") - 1] == "--set" for p in procs)
+    assert "outer.num_workers = 3: one worker per machine of machines.json" in caplog.text
+    # machines with `gpus` hold one worker per GPU (group)
+    (tmp_path / "machines.json").write_text(json.dumps([{"host": "a", "gpus": 2}, "b"]))
+    ln = Launcher(load_machines(tmp_path / "machines.json"), str(cfg), [], SSHOptions())
+    assert ln.cfg.outer.num_workers == 3 and [p.machine.host for p in ln.plan()[1:]] == ["a", "b", "a"]
+    # the user's count (file, override or prototype NUM_MACHINES) is never replaced
+    ln = Launcher(load_machines(tmp_path / "machines.json"), str(cfg), ["outer.num_workers=5"], SSHOptions())
+    assert ln.cfg.outer.num_workers == 5 and not any("=5" in o for o in ln.overrides[1:])
+
+
+def test_machines_left_without_a_worker_are_named(tmp_path, caplog):
+    ms = [{"host": "a"}, {"host": "b"}, {"host": "c", "name": "gpu-c"}]
+    with caplog.at_level("INFO", logger="launcher"):
+        ln = _launcher(tmp_path, ms, outer={"num_workers": 1, "min_workers": 1})
+    assert [p.machine.host for p in ln.plan()] == ["a", "a"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["machines.json: 2 of 3 machines get no worker (b, gpu-c): outer.num_workers = 1 is set in "
+                        "the config; raise it, or leave it out to run one worker per machine"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="launcher"):
+        _launcher(tmp_path, ms, outer={"num_workers": 4})  # more workers than machines: round-robin, all used
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_the_strategy_names_the_default_project_of_every_process(tmp_path):
+    (tmp_path / "machines.json").write_text(json.dumps(["a", "b"]))
+    cfg = _config_without(tmp_path, "project_name")
+    ms = load_machines(tmp_path / "machines.json")
+    diloco = Launcher(ms, str(cfg), [], SSHOptions())
+    edt = Launcher(ms, str(cfg), [], SSHOptions(), strategy="edt")
+    assert (diloco.cfg.project_name, edt.cfg.project_name) == ("diloco-shakespeare", "edt-shakespeare")
+    for p in edt.plan():
+        assert p.argv[p.argv.index("project_name=edt-shakespeare") - 1] == "--set"
+    assert "project_name=edt-shakespeare" in edt.helper(ms[0], "status")  # status / logs / stop look there too
+    out: list[str] = []
+    ln = Launcher(ms, str(cfg), [], SSHOptions(), out=out.append)
+    assert ln.launch("edt", dry_run=True) == 0  # `launch --strategy edt` on a launcher made for the default
+    assert ln.cfg.project_name == "edt-shakespeare" and all("project_name=edt-shakespeare" in x for x in out)
+    assert all("train.edt_worker" in x for x in out[1:])
+
+
+def test_missing_identity_file_fails_the_dry_run(tmp_path):
+    (tmp_path / "machines.json").write_text(json.dumps([{"host": "gpu1", "identity_file": str(tmp_path / "nokey")}]))
+    (tmp_path / "evolution.json").write_text(json.dumps(tiny_config(tmp_path / "runs")))
+    out = subprocess.run([sys.executable, str(REPO / "launch_to_machines.py"), "launch", "--dry-run", "--machines",
+                          str(tmp_path / "machines.json"), "--config", str(tmp_path / "evolution.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert f"error: {tmp_path / 'machines.json'}: entry 0 (host gpu1): identity_file = " in out.stderr
+    assert "no such file" in out.stderr and "Traceback" not in out.stderr
 
 
 # -- a private sshd -------------------------------------------------------------------------------------------------
@@ -164,8 +241,8 @@ def test_launch_status_logs_stop_resume_over_ssh(sshd, tmp_path):
         recs = records(paths)
         assert {r: (x["machine"], x["pid"] == x["pgid"]) for r, x in recs.items()} == {
             "coordinator": ("m1", True), "worker-000": ("m1", True), "worker-001": ("m2", True)}
-        assert recs["worker-001"]["log"] == str(paths.worker_log(1)) and recs["coordinator"]["command"][1:2] == \
-            ["diloco.py"]
+        assert recs["worker-001"]["log"] == str(paths.worker_log(1)) and recs["coordinator"]["command"][1:3] == \
+            ["-m", "diloco"]
         # idempotent: a second launch reuses the live processes
         again = c.cli("launch", "--set", "inner.threads=1")
         assert again.returncode == 0 and again.stdout.count("already running, left as is") == 3, again.stdout

@@ -67,15 +67,15 @@ def _main(argv, caplog) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--hv.initial-peers", "/ip4/127.0.0.1/tcp/30001/p2p/Qm"], "--hv.initial-peers is not supported: there is no DHT"),
-    (["--hv.skip_load_from_peers"], "--hv.skip-load-from-peers is not supported"),
-    (["--log-activations-steps", "200"], "--log-activations-steps is not supported"),
+    (["--hv.matchmaking-time", "5"], "--hv.matchmaking-time is not supported: there is no matchmaking"),
+    (["--hv.fail_rank_drop"], "--hv.fail-rank-drop is not supported"),
     (["--no-such-flag", "3"], "unsupported argument(s) --no-such-flag 3"),
-    (["--sharding-strategy", "_HYBRID_SHARD_ZERO2"], "supported are NO_SHARD (DDP) and FULL_SHARD"),
-    (["--ckpt.interval", "7"], "--ckpt.interval 7: a worker checkpoints at the end of every round (every 5"),
+    (["--sharding-strategy", "ZERO9"], "--sharding-strategy ZERO9: must be one of NO_SHARD, FULL_SHARD"),
+    (["--ckpt.interval", "0"], "--ckpt.interval 0: must be >= 1"),
     (["--hv.world-rank", "4"], "--hv.world-rank 4: must be in 0..3"),
     (["--precision", "int8"], "--precision int8: must be one of"),
     (["--set", "inner.no_such_key=1"], "unknown key 'inner.no_such_key'"),
+    (["--set", "outer.rounds=3"], "--max-steps 5 and --set outer.rounds=3 both give the run length"),
 ])
 def test_unsupported_or_bad_flags_fail_clearly(tmp_path, caplog, extra, message):
     rc, text = _main(seed_command(tmp_path / "ck") + extra, caplog)
@@ -114,3 +114,57 @@ def test_seed_command_runs_as_a_two_process_torchrun_worker(tmp_path):
     assert (paths.final / "model.safetensors").is_file()
     state = json.loads(paths.worker_state(0).read_text())
     assert state["position"] == 5 * 16 and state["sidecar"]["processes"] == 2
+
+
+# -- seed flags taken in their nearest meaning (plan only: nothing trains, nothing is written) ---------------------
+def _plan(argv, caplog, world: int = 1):
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        args, _, _, cfg = train_fsdp.plan(argv, world)
+    return args, cfg, caplog.text
+
+
+def test_total_steps_without_max_steps_defines_the_run_length(tmp_path, caplog):
+    base = ["--path-model", MODEL, "--base-dir", str(tmp_path)]
+    _, cfg, text = _plan(base + ["--total-steps", "88_000", "--hv.local-steps", "500"], caplog)
+    assert (cfg.inner.total_steps, cfg.outer.local_steps, cfg.outer.rounds) == (88_000, 500, 176)
+    assert "--total-steps 88000 without --max-steps: the run is 176 rounds x 500 local steps = 88000 inner" in text
+    _, cfg, text = _plan(base + ["--total-steps", "1000", "--hv.local-steps", "300"], caplog)
+    assert cfg.outer.rounds == 4 and "4 rounds x 300 local steps = 1200" in text and "never cut short" in text
+    _, cfg, _ = _plan(base + ["--total-steps", "20"], caplog)  # fewer than one round (H = 50 in evolution.json)
+    assert (cfg.outer.local_steps, cfg.outer.rounds) == (20, 1)
+    # --max-steps still wins the run length; --total-steps is then only the schedule
+    _, cfg, _ = _plan(base + ["--total-steps", "1000", "--hv.local-steps", "10", "--max-steps", "30"], caplog)
+    assert (cfg.inner.total_steps, cfg.outer.rounds) == (1000, 3)
+    # an explicit --set outer.rounds is the user's run length: kept, and said
+    _, cfg, text = _plan(base + ["--total-steps", "1000", "--set", "outer.rounds=3"], caplog)
+    assert cfg.outer.rounds == 3 and "the run is --set outer.rounds = 3 rounds" in text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_seed_flags_are_accepted_with_a_note(tmp_path, caplog):
+    argv = ["--path_model", MODEL, "--ckpt.path", str(tmp_path / "ck"), "--hv.local_steps", "500",
+            "--hv.skip_load_from_peers", "--log-activations-steps", "250", "--ckpt.interval", "4975",
+            "--hv.initial-peers", "/ip4/127.0.0.1/tcp/30001/p2p/Qmbh", "--sharding-strategy", "_HYBRID_SHARD_ZERO2",
+            "--per-device-train-batch-size", "2", "--total-batch-size", "16", "--hv.galaxy-size", "2"]
+    args, cfg, text = _plan(argv, caplog, world=8)
+    assert cfg.inner.parallel == "fsdp" and cfg.inner.nproc_per_node == 8 and cfg.outer.num_workers == 2
+    assert "--sharding-strategy _HYBRID_SHARD_ZERO2 (ZeRO-2 within each node" in text and "nearest is" in text
+    assert args.ckpt_interval == 5000
+    assert "--ckpt.interval 4975 is not a multiple of the local steps (500): checkpoints are taken at round ends, " \
+           "so it is rounded up to 5000" in text
+    assert "--hv.skip-load-from-peers: accepted, not used: there are no peers to load from" in text
+    assert "--log-activations-steps 250: accepted, not used: activation-norm logging is not implemented" in text
+    assert "--hv.initial-peers /ip4/127.0.0.1/tcp/30001/p2p/Qmbh: accepted, not used: there is no DHT" in text
+    for note in ("skip-load-from-peers", "log-activations-steps", "--ckpt.interval 4975", "_HYBRID_SHARD_ZERO2"):
+        assert text.count(note) == 1, note  # one line each
+    assert not (tmp_path / "ck").exists()
+    _, cfg, _ = _plan(["--path-model", MODEL, "--base-dir", str(tmp_path), "--sharding-strategy", "NO_SHARD"], caplog)
+    assert cfg.inner.parallel == "ddp"
+
+
+def test_a_flag_given_twice_says_which_value_is_used(tmp_path, caplog):
+    argv = ["--path-model", MODEL, "--base-dir", str(tmp_path), "--hv.local_steps", "500", "--hv.local_steps", "125"]
+    _, cfg, text = _plan(argv, caplog)
+    assert cfg.outer.local_steps == 125
+    assert "--hv.local-steps is given 2 times (500, 125): the last one, 125, is used" in text

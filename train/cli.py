@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from train.config import RunConfig, load_config
 
@@ -59,6 +60,53 @@ def preflight(cfg: RunConfig, strategy: str = "diloco") -> None:
         fitness_function(cfg.edt.fitness)
 
 
-def load_from_args(args: argparse.Namespace) -> tuple[RunConfig, list[str]]:
+def load_from_args(args: argparse.Namespace, strategy: str = "diloco") -> tuple[RunConfig, list[str]]:
+    """The config and the overrides to hand to the run's other processes: the user's, plus what the strategy
+    decided for them (its default project, `<strategy>-shakespeare`), so that workers agree with this process."""
     ovs = overrides_from(args)
-    return load_config(args.config, ovs), ovs
+    cfg = load_config(args.config, ovs, strategy=strategy)
+    return cfg, ovs + cfg.default_overrides()
+
+
+def coordinator_main(strategy: str, description: str,
+                     add_args: Callable[[argparse.ArgumentParser], None] = add_config_args) -> int:
+    """The body of `python -m diloco` / `python -m edt`: parse, check, run the strategy's coordinator."""
+    import logging
+
+    from train.model import quiet_transformers
+    from train.strategies import STRATEGIES
+
+    strat = STRATEGIES[strategy]
+    ap = argparse.ArgumentParser(description=description)
+    add_args(ap)
+    args = ap.parse_args()
+    cfg, _ = load_from_args(args, strategy=strategy)
+    quiet_transformers()
+    preflight(cfg, strategy)
+    logging.getLogger(f"{strategy}-coordinator").info("%s", strat.summary(cfg))
+    strat.coordinator(cfg).run()
+    return 0
+
+
+def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | None = None) -> int:
+    """The body of a worker module (`python -m <worker module> --config ... --worker i`): the same flags for every
+    strategy; SIGTERM exits 143 (the run resumes from the worker's saved state)."""
+    import signal
+    import sys
+
+    from train.model import quiet_transformers
+    from train.strategies import STRATEGIES
+
+    ap = argparse.ArgumentParser(prog=f"python -m {STRATEGIES[strategy].worker_module}", description=doc)
+    ap.add_argument("--config", default="evolution.json", help="evolution.json of the run")
+    ap.add_argument("--worker", type=int, required=True, help="this worker's id, 0..num_workers-1")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
+    args = ap.parse_args(argv)
+    quiet_transformers()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cfg = load_config(args.config, args.set, strategy=strategy)
+    if args.threads:
+        cfg.inner.threads = args.threads
+    worker_cls(cfg, args.worker).run()
+    return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import os
 import types
 import typing
@@ -19,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from train.errors import ConfigError  # noqa: F401  (raised here; importers keep train.config.ConfigError)
+from train.strategies import STRATEGIES  # what load_config's `strategy` may be (it names the default project)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-class ConfigError(ValueError):
-    """A configuration file or override is invalid; the message names the file, the field and the fix."""
+log = logging.getLogger("config")
 
 
 def doc(default: Any, text: str, **kw: Any) -> Any:
@@ -33,7 +34,7 @@ def doc(default: Any, text: str, **kw: Any) -> Any:
     return field(default=default, metadata={"doc": text, **kw})
 
 
-def _bad(name: str, value: Any, allowed: str) -> ConfigError:
+def bad_value(name: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{name} = {json.dumps(value)}: {allowed}")
 
 
@@ -41,15 +42,15 @@ def _check_range(obj: Any, prefix: str, name: str, lo: float | None = None, hi: 
                  lo_open: bool = False) -> None:
     v = getattr(obj, name)
     if lo is not None and (v <= lo if lo_open else v < lo):
-        raise _bad(f"{prefix}{name}", v, f"must be {'>' if lo_open else '>='} {lo}")
+        raise bad_value(f"{prefix}{name}", v, f"must be {'>' if lo_open else '>='} {lo}")
     if hi is not None and v > hi:
-        raise _bad(f"{prefix}{name}", v, f"must be <= {hi}")
+        raise bad_value(f"{prefix}{name}", v, f"must be <= {hi}")
 
 
 def _check_choice(obj: Any, prefix: str, name: str, choices: tuple[str, ...]) -> None:
     v = getattr(obj, name)
     if v not in choices:
-        raise _bad(f"{prefix}{name}", v, f"must be one of {', '.join(choices)}")
+        raise bad_value(f"{prefix}{name}", v, f"must be one of {', '.join(choices)}")
 
 
 @dataclass(kw_only=True)
@@ -65,7 +66,7 @@ class ModelConfig:
 
     def validate(self, p: str) -> None:
         if not self.name:
-            raise _bad(p + "name", self.name, "must name a hub id, a model directory or a config JSON")
+            raise bad_value(p + "name", self.name, "must name a hub id, a model directory or a config JSON")
 
 
 @dataclass(kw_only=True)
@@ -88,7 +89,7 @@ class DataConfig:
         _check_range(self, p, "max_tokens", 0)
         _check_range(self, p, "fake_tokens", 1000)
         if not self.dataset and not self.fake_data:
-            raise _bad(p + "dataset", self.dataset, "must name a dataset, or set data.fake_data = true")
+            raise bad_value(p + "dataset", self.dataset, "must name a dataset, or set data.fake_data = true")
 
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
@@ -135,17 +136,17 @@ class InnerConfig:
         _check_range(self, p, "nproc_per_node", 1)
         _check_choice(self, p, "parallel", ("ddp", "fsdp"))
         if self.total_batch_size % self.per_device_batch_size:
-            raise _bad(p + "total_batch_size", self.total_batch_size,
+            raise bad_value(p + "total_batch_size", self.total_batch_size,
                        f"must be a multiple of {p}per_device_batch_size ({self.per_device_batch_size})")
         if self.total_batch_size % (self.per_device_batch_size * self.nproc_per_node):
-            raise _bad(p + "total_batch_size", self.total_batch_size,
+            raise bad_value(p + "total_batch_size", self.total_batch_size,
                        f"must split over {p}nproc_per_node = {self.nproc_per_node} processes: a multiple of "
                        f"{self.per_device_batch_size * self.nproc_per_node} ({p}per_device_batch_size x nproc)")
         if str(self.precision) not in PRECISION_ALIASES:
-            raise _bad(p + "precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
+            raise bad_value(p + "precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
         self.precision = PRECISION_ALIASES[str(self.precision)]
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise _bad(p + "device", self.device, "must be auto, cpu, cuda or cuda:N")
+            raise bad_value(p + "device", self.device, "must be auto, cpu, cuda or cuda:N")
 
     @property
     def grad_accum(self) -> int:
@@ -254,24 +255,24 @@ class EDTConfig:
         _check_choice(self, p, "mode", ("pretrain", "evomerge"))
         if self.fitness not in ("inverse_loss", "neg_loss", "tasks") and not (
                 self.fitness.count(":") == 1 and all(self.fitness.split(":"))):
-            raise _bad(p + "fitness", self.fitness, "must be inverse_loss, neg_loss, tasks or module:function")
+            raise bad_value(p + "fitness", self.fitness, "must be inverse_loss, neg_loss, tasks or module:function")
         for i, m in enumerate(self.initial_population):
             if not isinstance(m, str) or not m:
-                raise _bad(f"{p}initial_population[{i}]", m, "must be a non-empty string (hub id or path)")
+                raise bad_value(f"{p}initial_population[{i}]", m, "must be a non-empty string (hub id or path)")
         for name, rng in self.genes.items():
             if name not in self.GENE_LIMITS:
-                raise _bad(f"{p}genes.{name}", rng, f"unknown gene; the genes are {', '.join(self.GENE_LIMITS)}")
+                raise bad_value(f"{p}genes.{name}", rng, f"unknown gene; the genes are {', '.join(self.GENE_LIMITS)}")
             lo_ok, hi_ok = self.GENE_LIMITS[name]
             if (not isinstance(rng, list) or len(rng) != 2 or
                     any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in rng)):
-                raise _bad(f"{p}genes.{name}", rng, "must be [low, high] (two numbers)")
+                raise bad_value(f"{p}genes.{name}", rng, "must be [low, high] (two numbers)")
             if not lo_ok <= rng[0] <= rng[1] <= hi_ok:
-                raise _bad(f"{p}genes.{name}", rng, f"needs {lo_ok} <= low <= high <= {hi_ok}")
+                raise bad_value(f"{p}genes.{name}", rng, f"needs {lo_ok} <= low <= high <= {hi_ok}")
         for filt, curve in self.t_curves.items():
             vals = curve if isinstance(curve, list) else [curve]
             if not vals or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
                                for v in vals):
-                raise _bad(f"{p}t_curves.{filt}", curve, "must be a number in [0, 1] or a non-empty list of them")
+                raise bad_value(f"{p}t_curves.{filt}", curve, "must be a number in [0, 1] or a non-empty list of them")
 
 
 MERGE_METHODS = ("linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties")
@@ -282,7 +283,7 @@ def _check_span(obj: Any, prefix: str, name: str, lo: float, hi: float) -> None:
     v = getattr(obj, name)
     if (not isinstance(v, list) or len(v) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, float))
                                                        for x in v) or not lo <= v[0] <= v[1] <= hi):
-        raise _bad(prefix + name, v, f"must be [low, high] with {lo} <= low <= high <= {hi}")
+        raise bad_value(prefix + name, v, f"must be [low, high] with {lo} <= low <= high <= {hi}")
 
 
 @dataclass(kw_only=True)
@@ -314,41 +315,42 @@ class EvoMergeConfig:
     def validate(self, p: str) -> None:
         for i, m in enumerate(self.methods):
             if m not in MERGE_METHODS:
-                raise _bad(f"{p}methods[{i}]", m, f"must be one of {', '.join(MERGE_METHODS)}")
+                raise bad_value(f"{p}methods[{i}]", m, f"must be one of {', '.join(MERGE_METHODS)}")
             if m in BASE_METHODS and not self.base_model:
-                raise _bad(f"{p}methods[{i}]", m, f"merges task vectors: set {p}base_model to the model the "
+                raise bad_value(f"{p}methods[{i}]", m, f"merges task vectors: set {p}base_model to the model the "
                                                   "fine-tunes started from")
         _check_range(self, p, "curve_points", 1)
         _check_span(self, p, "weight", 0.0, 1.0)
         _check_span(self, p, "density", 0.0, 1.0)
         if self.density[0] <= 0:
-            raise _bad(p + "density", self.density, "low must be > 0 (density 0 keeps nothing)")
+            raise bad_value(p + "density", self.density, "low must be > 0 (density 0 keeps nothing)")
         _check_span(self, p, "scale", 0.0, 10.0)
         for name, src in self.datasets.items():
             if not name.replace("_", "a").replace("-", "a").isalnum() or not isinstance(src, str) or not src:
-                raise _bad(f"{p}datasets.{name}", src, "names must be [A-Za-z0-9_-]+ and sources non-empty strings")
+                raise bad_value(f"{p}datasets.{name}", src,
+                                "names must be [A-Za-z0-9_-]+ and sources non-empty strings")
         for i, t in enumerate(self.tasks):
             where = f"{p}tasks[{i}]"
             if not isinstance(t, dict) or not {"name", "data"} <= set(t):
-                raise _bad(where, t, "must be an object with at least name and data, e.g. {\"name\": \"add\", "
+                raise bad_value(where, t, "must be an object with at least name and data, e.g. {\"name\": \"add\", "
                                      "\"data\": \"task:addition\", \"metric\": \"exact_match\"}")
             unknown = set(t) - {"name", "data", "metric", "weight", "items"}
             if unknown:
-                raise _bad(where, t, f"unknown key {sorted(unknown)[0]!r}; allowed: name, data, metric, weight, "
+                raise bad_value(where, t, f"unknown key {sorted(unknown)[0]!r}; allowed: name, data, metric, weight, "
                                      "items")
             metric = t.get("metric", "exact_match")
             if metric not in ("exact_match", "sft_loss") and not (metric.count(":") == 1 and all(metric.split(":"))):
-                raise _bad(where + ".metric", metric, "must be exact_match, sft_loss or module:function")
+                raise bad_value(where + ".metric", metric, "must be exact_match, sft_loss or module:function")
             if isinstance(t.get("weight", 1.0), bool) or not isinstance(t.get("weight", 1.0), (int, float)):
-                raise _bad(where + ".weight", t.get("weight"), "must be a number")
+                raise bad_value(where + ".weight", t.get("weight"), "must be a number")
             if not isinstance(t.get("items", 64), int) or t.get("items", 64) < 1:
-                raise _bad(where + ".items", t.get("items"), "must be an integer >= 1")
+                raise bad_value(where + ".items", t.get("items"), "must be an integer >= 1")
         _check_range(self, p, "sft_items", 1)
         _check_range(self, p, "max_length", 8)
         _check_range(self, p, "max_new_tokens", 1)
         unknown = set(self.lora) - {"r", "alpha", "dropout", "target_modules"}
         if unknown:
-            raise _bad(p + "lora", self.lora, f"unknown key {sorted(unknown)[0]!r}; allowed: r, alpha, dropout, "
+            raise bad_value(p + "lora", self.lora, f"unknown key {sorted(unknown)[0]!r}; allowed: r, alpha, dropout, "
                                               "target_modules")
 
     @property
@@ -371,7 +373,9 @@ class LoggingConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    project_name: str = doc("diloco-shakespeare", "Run name: everything lives in BASE_DIR/<project_name>/.")
+    project_name: str | None = doc(None, "Run name: everything lives in BASE_DIR/<project_name>/. null = "
+                                         "<strategy>-shakespeare (diloco-shakespeare for DiLoCo, edt-shakespeare "
+                                         "for EDT), so the two default runs never share a folder.")
     base_dir: str = doc("runs", "Shared folder (NFS on a cluster); relative = next to the config file.")
     seed: int = doc(0, "Seed for model init, data order and evaluation windows.")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -384,22 +388,32 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Where the config came from (not a key in the file): relative paths resolve against it.
     source: str = field(default="<defaults>", metadata={"internal": True})
+    # The dotted keys the user gave (file or overrides), as opposed to defaults: set by build_config.
+    user_keys: typing.ClassVar[frozenset] = frozenset()
 
     def validate(self) -> None:
         if not self.project_name or "/" in self.project_name or self.project_name in (".", ".."):
-            raise _bad("project_name", self.project_name, "must be a plain folder name (no '/')")
+            raise bad_value("project_name", self.project_name, "must be a plain folder name (no '/')")
         if not self.base_dir:
-            raise _bad("base_dir", self.base_dir, "must be a folder path")
+            raise bad_value("base_dir", self.base_dir,
+                            "must be a folder path: the folder runs live in, on a disk every machine sees (e.g. "
+                            "/mnt/shared/edt_run), or \".\" for the config file's folder")
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
                 sub.validate(f.name + ".")
+        population = self.edt.population_size or self.outer.num_workers
+        if self.edt.elitism > population:
+            why = "edt.population_size" if self.edt.population_size else "edt.population_size = 0: outer.num_workers"
+            raise bad_value("edt.elitism", self.edt.elitism,
+                       f"must be <= the population, {population} ({why}): elites are members of the next "
+                       f"generation; lower edt.elitism or raise edt.population_size")
         if self.edt.mode == "evomerge":
             if not self.edt.initial_population:
-                raise _bad("edt.initial_population", [], "evomerge needs the fine-tuned models to merge (hub ids "
+                raise bad_value("edt.initial_population", [], "evomerge needs the fine-tuned models to merge (hub ids "
                                                          "or directories), at least 2")
             if not self.evomerge.tasks:
-                raise _bad("evomerge.tasks", [], "evomerge needs fitness tasks, e.g. [{\"name\": \"add\", "
+                raise bad_value("evomerge.tasks", [], "evomerge needs fitness tasks, e.g. [{\"name\": \"add\", "
                                                  "\"data\": \"task:addition\", \"metric\": \"exact_match\"}]")
 
     # -- derived values -------------------------------------------------------------------------------------------
@@ -424,6 +438,11 @@ class RunConfig:
             base = Path(os.path.normpath(self.config_dir / base))  # configs/../runs -> runs
         return base / self.project_name
 
+    def default_overrides(self) -> list[str]:
+        """Values derived from the strategy rather than given by the user, as overrides: pass them to every process
+        of the run (workers, remote helpers) so that they agree whatever strategy they load the config with."""
+        return [] if "project_name" in self.user_keys else [f"project_name={self.project_name}"]
+
     @property
     def total_inner_steps(self) -> int:
         return self.inner.total_steps or self.outer.rounds * self.outer.local_steps
@@ -441,16 +460,23 @@ LEGACY_KEYS = {
     "MUTATION_PROBABILITY": "edt.mutation_probability", "MUTATION_STRENGTH": "edt.mutation_strength",
     "ELITISM": "edt.elitism", "OUTER_LR": "outer.lr", "OUTER_MOMENTUM": "outer.momentum",
     "OUTER_NESTEROV": "outer.nesterov", "NUM_MACHINES": "outer.num_workers",
+    "POPULATION_SIZE": "edt.population_size", "population_size": "edt.population_size",  # EvoMerge / seed README
+}
+# The prototype's keys that no longer mean anything, and why: accepted, with a one-line note, never used.
+IGNORED_KEYS = {
+    "LOCAL_PACKAGE": "the prototype copied this folder to every machine before a run; here every machine runs the "
+                     "installed package of its checkout (machines.json `workdir`, `pip install -e .`), so there is "
+                     "nothing to copy",
 }
 
 
-def _field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
 def _all_keys(cls: type, prefix: str = "") -> list[str]:
     out = []
-    hints = _field_types(cls)
+    hints = field_types(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("internal"):
             continue
@@ -471,7 +497,7 @@ def _suggest(key: str, known: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _coerce(name: str, value: Any, typ: Any) -> Any:
+def coerce_value(name: str, value: Any, typ: Any) -> Any:
     """Check `value` against the annotation `typ` (int accepted for float; bool never for numbers)."""
     origin = typing.get_origin(typ)
     if origin in (typing.Union, types.UnionType):
@@ -479,33 +505,33 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(name, value, inner[0])
+        return coerce_value(name, value, inner[0])
     if typ is bool:
         if isinstance(value, bool):
             return value
-        raise _bad(name, value, "must be true or false")
+        raise bad_value(name, value, "must be true or false")
     if typ is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise _bad(name, value, "must be an integer")
+        raise bad_value(name, value, "must be an integer")
     if typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise _bad(name, value, "must be a number")
+        raise bad_value(name, value, "must be a number")
     if typ is str:
         if isinstance(value, str):
             return value
-        raise _bad(name, value, "must be a string")
+        raise bad_value(name, value, "must be a string")
     if typ is list or origin is list:
         if isinstance(value, list):
             return value
-        raise _bad(name, value, "must be a list")
+        raise bad_value(name, value, "must be a list")
     if typ is dict or origin is dict:
         if isinstance(value, dict):
             return value
-        raise _bad(name, value, "must be an object")
+        raise bad_value(name, value, "must be an object")
     return value
 
 
@@ -542,19 +568,60 @@ def parse_override(text: str) -> tuple[str, Any]:
     return LEGACY_KEYS.get(key.strip(), key.strip()), parsed
 
 
-def build_config(raw: dict, overrides: list[str] | None = None, source: str = "<defaults>") -> RunConfig:
-    """Build and validate a RunConfig from a JSON object plus KEY=VALUE overrides."""
+def _prototype_evomerge(raw: dict, flat: dict[str, Any], notes: list[str]) -> int:
+    """The EvoMerge prototype had no mode key: its evolution.json listed the fine-tunes to merge in
+    INITIAL_POPULATION (the pretraining prototype: the one model every member starts from). So a prototype-style
+    INITIAL_POPULATION of >= 2 different models, with no edt.mode given, means edt.mode = evomerge (with a note).
+    Returns how many models it lists when that applied, else 0."""
+    models = raw.get("INITIAL_POPULATION")
+    if "edt.mode" in flat or not isinstance(models, list) or len({json.dumps(m) for m in models}) < 2:
+        return 0
+    n = len({json.dumps(m) for m in models})
+    flat["edt.mode"] = "evomerge"
+    notes.append(f"INITIAL_POPULATION lists {n} different models: as in the EvoMerge prototype they are merged and "
+                 f"evolved (edt.mode = \"evomerge\"); set edt.mode = \"pretrain\" to pretrain them instead")
+    return n
+
+
+def _legacy_notes(raw: dict, notes: list[str]) -> None:
+    v = raw.get("MUTATION_STRENGTH")
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 1:
+        notes.append(f"MUTATION_STRENGTH = {v} is edt.mutation_strength, the standard deviation of a gene "
+                     f"perturbation on genes in [0, 1] (the EvoMerge prototype drew integers in [-{v}, {v}] for "
+                     f"genes in 1..10): above 1 a mutated gene is redrawn almost at random; 0.05-0.5 is usual")
+
+
+def build_config(raw: dict, overrides: list[str] | None = None, source: str = "<defaults>",
+                 strategy: str = "diloco", defaults: dict[str, Any] | None = None) -> RunConfig:
+    """Build and validate a RunConfig from a JSON object plus KEY=VALUE overrides.
+
+    `strategy` (diloco or edt) names the default project (project_name null: "<strategy>-shakespeare").
+    `defaults`: dotted key -> value used where neither the file nor an override gives the key (e.g. the launcher's
+    one worker per machine); they do not count as the user's (`cfg.user_keys`). Notes about accepted prototype
+    keys are logged once per call (logger "config")."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy {strategy!r}: must be one of {', '.join(STRATEGIES)}")
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object")
+    notes: list[str] = []
     try:
         flat = _flatten(raw)
         for ov in overrides or []:
             k, v = parse_override(ov)
             flat[k] = v
+        for key in [k for k in flat if k in IGNORED_KEYS]:
+            notes.append(f"{key} = {json.dumps(flat.pop(key))} is ignored: {IGNORED_KEYS[key]}")
+        _legacy_notes(raw, notes)
+        merged = _prototype_evomerge(raw, flat, notes)
         known = _all_keys(RunConfig)
         for key in flat:
             if key not in known:
                 raise ConfigError(f"unknown key {key!r}{_suggest(key, known)} (see README: configuration)")
+        user = frozenset(k for k, v in flat.items() if not (k == "project_name" and v is None))
+        for key, value in (defaults or {}).items():
+            if key not in known:
+                raise ValueError(f"defaults: unknown key {key!r}")
+            flat.setdefault(key, value)
         cfg = RunConfig(source=source)
         hints_cache: dict[type, dict] = {}
         for key, value in flat.items():
@@ -562,21 +629,34 @@ def build_config(raw: dict, overrides: list[str] | None = None, source: str = "<
             parts = key.split(".")
             for part in parts[:-1]:
                 obj = getattr(obj, part)
-            hints = hints_cache.setdefault(type(obj), _field_types(type(obj)))
-            setattr(obj, parts[-1], _coerce(key, value, hints[parts[-1]]))
+            hints = hints_cache.setdefault(type(obj), field_types(type(obj)))
+            setattr(obj, parts[-1], coerce_value(key, value, hints[parts[-1]]))
+        cfg.user_keys = user
+        if cfg.project_name is None:
+            cfg.project_name = f"{strategy}-shakespeare"
+        if merged and not cfg.evomerge.tasks:
+            raise ConfigError(
+                f"evomerge.tasks = []: INITIAL_POPULATION lists {merged} different models, so this is an EvoMerge "
+                f"config (edt.mode = \"evomerge\", as in the EvoMerge prototype, whose fitness items were fixed in "
+                f"its code); name the tasks members are scored on, e.g. \"evomerge\": {{\"tasks\": [{{\"name\": "
+                f"\"gsm8k\", \"data\": \"gsm8k.jsonl\", \"metric\": \"exact_match\"}}]}} (docs/evomerge.md), or "
+                f"set \"edt\": {{\"mode\": \"pretrain\"}}")
         cfg.validate()
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+    for note in notes:
+        log.info("%s: %s", source, note)
     return cfg
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load `evolution.json` (or defaults when `path` is None) and apply overrides."""
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                strategy: str = "diloco", defaults: dict[str, Any] | None = None) -> RunConfig:
+    """Load `evolution.json` (or defaults when `path` is None) and apply overrides (see build_config)."""
     if path is None:
-        return build_config({}, overrides)
+        return build_config({}, overrides, strategy=strategy, defaults=defaults)
     p = Path(path)
     raw = read_json_file(p, "no such config file (copy evolution.json from the repo and edit it)")
-    return build_config(raw, overrides, source=str(p))
+    return build_config(raw, overrides, source=str(p), strategy=strategy, defaults=defaults)
 
 
 def read_json_file(p: Path, missing: str) -> Any:
@@ -596,10 +676,12 @@ def read_json_file(p: Path, missing: str) -> Any:
 def reference_markdown() -> str:
     """The configuration reference table (README)."""
     rows = ["| key | default | legacy name | meaning |", "|---|---|---|---|"]
-    legacy = {v: k for k, v in LEGACY_KEYS.items()}
+    legacy: dict[str, str] = {}
+    for k, v in LEGACY_KEYS.items():
+        legacy[v] = f"{legacy[v]}, {k}" if v in legacy else k
 
     def walk(cls: type, prefix: str) -> None:
-        hints = _field_types(cls)
+        hints = field_types(cls)
         inst = cls()
         for f in dataclasses.fields(cls):
             if f.metadata.get("internal"):

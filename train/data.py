@@ -72,7 +72,7 @@ def cache_key(cfg: RunConfig, tok_fp: str, vocab_size: int) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _iter_texts(cfg: RunConfig):
+def iter_texts(cfg: RunConfig):
     from datasets import load_dataset
 
     d = cfg.data
@@ -134,7 +134,7 @@ def build_token_cache(cfg: RunConfig, tokenizer, vocab_size: int, out_dir: Path,
                 return False
 
             done = False
-            for text in _iter_texts(cfg):
+            for text in iter_texts(cfg):
                 if text:
                     batch.append(text)
                 if len(batch) >= 64 and (done := flush()):

@@ -15,20 +15,17 @@ leaves a claim whose lease expires; the coordinator re-queues it (a restarted wo
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
-import signal
 import socket
-import sys
 import threading
 import time
 
 import numpy as np
 import torch
 
-from train.config import ConfigError, RunConfig, load_config
+from train.config import ConfigError, RunConfig
 from train.edt_store import (
     EDTPaths,
     publish_once,
@@ -40,7 +37,7 @@ from train.edt_store import (
     try_claim,
 )
 from train.edt_modes import mode_of
-from train.model import WEIGHTS, load_weights_into, pick_device, quiet_transformers
+from train.model import WEIGHTS, load_weights_into, pick_device
 from train.store import (
     PROTOCOL_VERSION,
     ProtocolError,
@@ -249,19 +246,8 @@ class EDTWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m train.edt_worker", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="evolution.json", help="evolution.json of the run")
-    ap.add_argument("--worker", type=int, required=True, help="this worker's id (0, 1, ...)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
-    args = ap.parse_args(argv)
-    quiet_transformers()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cfg = load_config(args.config, args.set)
-    if args.threads:
-        cfg.inner.threads = args.threads
-    EDTWorker(cfg, args.worker).run()
-    return 0
+    from train.cli import worker_main
+    return worker_main("edt", EDTWorker, __doc__.split("\n")[0], argv)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def decode_evomerge(dna: dict, cfg: RunConfig, g: int, m: int) -> dict:
 def local_model_dir(cfg: RunConfig, spec: str) -> Path:
     """A model spec as a local HF directory: a directory as is, a hub id through the HF cache (download when the
     hub is reachable, else a clear error)."""
-    from train.model import _hub_error, model_source
+    from train.model import hub_error, model_source
 
     kind, path = model_source(cfg, spec)
     if kind == "dir":
@@ -117,7 +117,7 @@ def local_model_dir(cfg: RunConfig, spec: str) -> Path:
         return Path(snapshot_download(path, revision=cfg.model.revision,
                                       allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     except Exception as e:  # noqa: BLE001  (offline, unknown repo, ...: one clear message)
-        raise _hub_error("model", path, e) from e
+        raise hub_error("model", path, e) from e
 
 
 def base_dir_of(cfg: RunConfig) -> Path | None:
@@ -232,7 +232,7 @@ def plot_report(rep: dict, out: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from train.lineage import _save
+    from train.lineage import save_figure
 
     tasks = sorted({t for row in rep["rows"] for t in row["scores"]})
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(tasks), 3.6))
@@ -245,4 +245,4 @@ def plot_report(rep: dict, out: Path, title: str = "") -> None:
     ax.set_title(title or "EvoMerge: parents vs the evolved merge")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    _save(fig, out)
+    save_figure(fig, out)

@@ -10,6 +10,7 @@ verbatim is a machine's own `setup` line, which is shell code by definition.
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import sys
 import threading
@@ -24,13 +25,10 @@ from train.procs import worker_argv
 from train.remote import MARK, code_fingerprint
 from train.ssh import CommandTimeout, Connection, SSHError, SSHOptions, connect, parallel
 from train.store import sha256_file
+from train.strategies import strategy as get_strategy
 
-# THE table: strategy -> coordinator command (after the interpreter), worker module (`python -m <module>`) and
-# whether that worker can be a torchrun group of several processes.
-STRATEGIES = {
-    "diloco": {"coordinator": ["diloco.py"], "worker": "train.worker", "multi_process": True},
-    "edt": {"coordinator": ["edt.py"], "worker": "train.edt_worker", "multi_process": False},
-}
+log = logging.getLogger("launcher")
+
 
 
 @dataclass
@@ -60,15 +58,42 @@ def shell_line(m: Machine, workdir: str, argv: list[str], env: dict) -> str:
 
 class Launcher:
     def __init__(self, machines: list[Machine], config_path: str, overrides: list[str], opts: SSHOptions,
-                 timeout: float = 180.0, out: Callable[[str], None] = print):
-        self.machines, self.overrides, self.opts, self.timeout, self.out = machines, overrides, opts, timeout, out
-        self.cfg = load_config(config_path, overrides)  # validated here, before anything runs anywhere
+                 timeout: float = 180.0, out: Callable[[str], None] = print, strategy: str = "diloco"):
+        self.machines, self.opts, self.timeout, self.out = machines, opts, timeout, out
+        self.config_path, self.user_overrides = config_path, list(overrides)
         self.root = REPO_ROOT  # this checkout; a machine's workdir is its counterpart there (default: same path)
         self.local_config = Path(config_path).resolve()
         # The config as the remote sees it: relative to the workdir when it lies in our checkout, else this path.
         self.config_arg = str(self.local_config.relative_to(self.root)) \
             if self.local_config.is_relative_to(self.root) else str(self.local_config)
         self._print_lock = threading.Lock()
+        self.configure(strategy)
+
+    def configure(self, strategy: str) -> None:
+        """Load and validate the config for `strategy`, before anything runs anywhere. Values derived here rather
+        than given by the user (outer.num_workers when not set: one worker per machine slot, the prototype's rule;
+        the strategy's default project) become overrides of every remote process, so all of them agree."""
+        get_strategy(strategy)  # a ConfigError naming the strategies when it is none of them
+        self.strategy, n = strategy, len(self.machines)
+        load = lambda n: load_config(self.config_path, self.user_overrides, strategy=strategy,  # noqa: E731
+                                     defaults={"outer.num_workers": n})
+        self.cfg, derived = load(n), []
+        if "outer.num_workers" not in self.cfg.user_keys:
+            if len(self.slots()) != n:  # machines with `gpus` hold several workers
+                n = len(self.slots())
+                self.cfg = load(n)
+            derived = [f"outer.num_workers={n}"]
+            log.info("outer.num_workers = %d: one worker per machine of machines.json (per GPU group where `gpus` is "
+                     "set), as the prototype ran; set outer.num_workers to choose another number", n)
+        else:
+            slots = self.slots()
+            used = {slots[i % len(slots)][0].label for i in range(self.cfg.outer.num_workers)}
+            unused = [m.label for m in self.machines if m.label not in used]
+            if unused:
+                log.warning("machines.json: %d of %d machines get no worker (%s): outer.num_workers = %d is set in "
+                            "the config; raise it, or leave it out to run one worker per machine", len(unused),
+                            len(self.machines), ", ".join(unused), self.cfg.outer.num_workers)
+        self.overrides = [*self.user_overrides, *derived, *self.cfg.default_overrides()]
 
     # -- plan and commands ------------------------------------------------------------------------------------------
     def workdir(self, m: Machine) -> str:
@@ -77,23 +102,28 @@ class Launcher:
     def sets(self) -> list[str]:
         return [x for ov in self.overrides for x in ("--set", ov)]
 
-    def plan(self, strategy: str = "diloco") -> list[Proc]:
-        if strategy not in STRATEGIES:
-            raise ConfigError(f"--strategy {strategy}: must be one of {', '.join(STRATEGIES)}")
-        s, ms = STRATEGIES[strategy], self.machines
-        groups = {m.label: self.device_groups(m, strategy) for m in ms}
+    def slots(self, strategy: str | None = None) -> list[tuple[Machine, list[int] | None]]:
+        """Worker slots: round-robin over machines first, then over each machine's GPUs (or GPU groups)."""
+        ms = self.machines
+        groups = {m.label: self.device_groups(m, strategy or self.strategy) for m in ms}
         slots, depth = [], max(len(g) for g in groups.values())
-        for k in range(depth):  # round-robin over machines first, then over each machine's GPUs (or GPU groups)
+        for k in range(depth):
             slots += [(m, groups[m.label][k]) for m in ms if k < len(groups[m.label])]
+        return slots
+
+    def plan(self, strategy: str | None = None) -> list[Proc]:
+        strategy = strategy or self.strategy
+        s, ms, slots = get_strategy(strategy), self.machines, self.slots(strategy)
         conf = ["--config", self.config_arg, *self.sets()]
-        procs = [Proc("coordinator", ms[0], [ms[0].python, *s["coordinator"], *conf, "--no-progress"], dict(ms[0].env))]
+        coordinator = [ms[0].python, "-m", s.coordinator_module, *conf, "--no-progress"]
+        procs = [Proc("coordinator", ms[0], coordinator, dict(ms[0].env))]
         for i in range(self.cfg.outer.num_workers):
             m, gpus = slots[i % len(slots)]
             n = self.procs_per_worker(m)
             env = {**m.env, **({} if gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))})}
             # the group size goes into the config too, so the worker checks that the batch splits over it
             sets = [] if n == self.cfg.inner.nproc_per_node else ["--set", f"inner.nproc_per_node={n}"]
-            procs.append(Proc(f"worker-{i:03d}", m, [*worker_argv(m.python, s["worker"], n), *conf[:2], "--worker",
+            procs.append(Proc(f"worker-{i:03d}", m, [*worker_argv(m.python, s.worker_module, n), *conf[:2], "--worker",
                                                      str(i), *conf[2:], *sets], env))
         return procs
 
@@ -103,7 +133,7 @@ class Launcher:
     def device_groups(self, m: Machine, strategy: str) -> list[list[int] | None]:
         """The worker slots of a machine: groups of procs_per_worker of its GPUs (None: devices left as is)."""
         n = self.procs_per_worker(m)
-        if n > 1 and not STRATEGIES[strategy]["multi_process"]:
+        if n > 1 and not get_strategy(strategy).multi_process:
             raise ConfigError(f"{m.label}: {strategy} workers run as one process each, but this machine asks for "
                               f"{n} per worker (procs_per_worker / inner.nproc_per_node): set them to 1")
         if m.gpu_ids is None:
@@ -171,9 +201,12 @@ class Launcher:
         return 0
 
     # -- launch -----------------------------------------------------------------------------------------------------
-    def launch(self, strategy: str = "diloco", dry_run: bool = False, keep_on_failure: bool = False,
+    def launch(self, strategy: str | None = None, dry_run: bool = False, keep_on_failure: bool = False,
                check: float = 2.0) -> int:
-        procs = self.plan(strategy)
+        if strategy and strategy != self.strategy:
+            self.configure(strategy)  # its default project and checks
+        strategy = self.strategy
+        procs = self.plan()
         if dry_run:
             return self._dry([(p.machine, self.start_line(p, check)) for p in procs])
         used = list({p.machine.label: p.machine for p in procs}.values())

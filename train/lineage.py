@@ -41,7 +41,7 @@ def load_population(run_dir: str | Path, generation: int | None = None) -> list[
     return out
 
 
-def _save(fig, out: Path) -> None:
+def save_figure(fig, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +93,7 @@ def plot_lineage(records: list[dict], out: Path, title: str = "") -> None:
     ax.set_title(f"{title} lineage (thick: elite; red ring: DNA mutated)".strip())
     ax.grid(alpha=0.2)
     fig.tight_layout()
-    _save(fig, out)
+    save_figure(fig, out)
 
 
 def plot_fitness(records: list[dict], out: Path, title: str = "") -> None:
@@ -123,4 +123,4 @@ def plot_fitness(records: list[dict], out: Path, title: str = "") -> None:
     ax.set_title(f"{title} fitness per generation".strip())
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    _save(fig, out)
+    save_figure(fig, out)

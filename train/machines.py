@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.config import ConfigError, _bad, _coerce, _field_types, doc, read_json_file
+from train.config import ConfigError, bad_value, coerce_value, field_types, doc, read_json_file
 
 @dataclass(kw_only=True)
 class Machine:
@@ -53,7 +53,7 @@ def load_machines(path: str | os.PathLike) -> list[Machine]:
         raw = raw["machines"]
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{p}: must be a non-empty JSON list of hosts (strings or objects)")
-    hints = _field_types(Machine)
+    hints = field_types(Machine)
     known = [f.name for f in dataclasses.fields(Machine)]
     out = []
     for i, entry in enumerate(raw):
@@ -72,10 +72,10 @@ def load_machines(path: str | os.PathLike) -> list[Machine]:
                 if k == "gpus" and isinstance(v, list):
                     if not v or any(not isinstance(g, int) or isinstance(g, bool) or g < 0 for g in v) \
                             or len(set(v)) != len(v):
-                        raise _bad(k, v, "must be a count >= 1 or a non-empty list of distinct device ids >= 0")
+                        raise bad_value(k, v, "must be a count >= 1 or a non-empty list of distinct device ids >= 0")
                     m.gpus = list(v)
                     continue
-                setattr(m, k, _coerce(k, v, hints[k]))
+                setattr(m, k, coerce_value(k, v, hints[k]))
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
         if not m.host or any(c.isspace() for c in m.host) or m.host.startswith("-"):
@@ -99,6 +99,12 @@ def load_machines(path: str | os.PathLike) -> list[Machine]:
         if m.setup is not None and ("\n" in m.setup or "\r" in m.setup):
             raise ConfigError(f"{where}: setup = {json.dumps(m.setup)}: must be one shell line (join commands "
                               "with &&)")
+        if m.identity_file is not None:  # a missing key must fail here (--dry-run), not at the first connect
+            key = Path(os.path.expanduser(m.identity_file))  # as train/ssh.py reads it: ~ expanded, else from cwd
+            if not key.is_file():
+                raise ConfigError(f"{where} (host {m.host}): identity_file = {json.dumps(m.identity_file)}: no such "
+                                  f"file ({key.absolute()}); point it at your private key (e.g. ~/.ssh/id_ed25519, "
+                                  f"made by ssh-keygen) or leave it out to use ssh-agent and ~/.ssh/id_*")
         if m.name is not None and (not m.name or not m.name.isprintable()):
             raise ConfigError(f"{where}: name = {json.dumps(m.name)}: must be a non-empty printable label")
         for k, v in m.env.items():

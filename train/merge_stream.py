@@ -30,7 +30,7 @@ from train.merge import TIED, count_layers
 from train import merge_methods
 from train.merge_methods import MergeError, Recipe, check_density, merge_tensor
 from train.store import atomic_publish_dir, new_tmp_dir, write_manifest
-from train.tensorio import _TORCH_DTYPES, StreamingWriter, read_header
+from train.tensorio import TORCH_DTYPES, StreamingWriter, read_header
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 # small files copied from the first model next to the merged weights (config.json always)
@@ -73,7 +73,7 @@ class ModelFiles:
                 s, e = h["data_offsets"]
                 if base + e > size:
                     raise MergeError(f"{label} ({f}): tensor {name!r} lies past the end of the file (truncated?)")
-                self.info[name] = (f, _TORCH_DTYPES[h["dtype"]], tuple(h["shape"]), base + s, e - s)
+                self.info[name] = (f, TORCH_DTYPES[h["dtype"]], tuple(h["shape"]), base + s, e - s)
                 self.order.append(name)
         self._fds: dict[Path, int] = {}
         self.bytes_read = 0

@@ -54,7 +54,7 @@ def model_source(cfg: RunConfig, name: str | None = None) -> tuple[str, str]:
     return "hub", spec
 
 
-def _hub_error(what: str, spec: str, e: Exception) -> ModelError:
+def hub_error(what: str, spec: str, e: Exception) -> ModelError:
     reason = " ".join(str(e).split())  # transformers' messages span lines; ours is one
     return ModelError(
         f"could not load {what} {spec!r} from the Hugging Face hub ({type(e).__name__}: {reason}). Without network "
@@ -77,7 +77,7 @@ def build_model(cfg: RunConfig, name: str | None = None, seed: int | None = None
     try:
         return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32, revision=cfg.model.revision, **kw)
     except OSError as e:
-        raise _hub_error("model", spec, e) from e
+        raise hub_error("model", spec, e) from e
 
 
 def load_tokenizer(cfg: RunConfig):
@@ -93,7 +93,7 @@ def load_tokenizer(cfg: RunConfig):
         return AutoTokenizer.from_pretrained(spec, revision=cfg.model.revision,
                                              trust_remote_code=cfg.model.trust_remote_code)
     except OSError as e:
-        raise _hub_error("tokenizer", spec, e) from e
+        raise hub_error("tokenizer", spec, e) from e
 
 
 def check_model_fits(cfg: RunConfig, model: torch.nn.Module, tokenizer=None) -> int:

@@ -19,7 +19,7 @@ from train.config import REPO_ROOT
 from train.errors import WorkerDied  # noqa: F401  (raised here)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the simulator dies, even by SIGKILL (Linux prctl)."""
     try:
         import ctypes
@@ -67,7 +67,7 @@ class LocalWorkers:
                 self.procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
                                                    start_new_session=True, env=env,
-                                                   preexec_fn=_die_with_parent))
+                                                   preexec_fn=die_with_parent))
 
     def check(self) -> None:
         """Raise WorkerDied (with the log's tail) if a worker exited with an error."""

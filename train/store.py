@@ -61,7 +61,7 @@ def exclusive_lock(path: str | os.PathLike, what: str):
 
 
 # -- atomic files ---------------------------------------------------------------------------------------------------
-def _tmp_name(path: Path) -> Path:
+def tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
@@ -82,7 +82,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: st
     """Create `path` atomically: `write(fileobj)` fills a temp file in the same folder, then fsync + os.replace."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(path)
+    tmp = tmp_name(path)
     try:
         with open(tmp, mode) as f:
             write(f)

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from train.store import _tmp_name, fsync_dir
+from train.store import tmp_name, fsync_dir
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -96,7 +96,7 @@ class StreamingWriter:
 
     def __enter__(self) -> "StreamingWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = _tmp_name(self.path)
+        self._tmp = tmp_name(self.path)
         self._f = open(self._tmp, "wb")
         self._unsynced = 0
         self._bg = _Background()
@@ -188,7 +188,7 @@ def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return dict(iter_tensors(path))
 
 
-_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
 class SequentialReader:
@@ -218,7 +218,7 @@ class SequentialReader:
         return sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0])
 
     def dtype_of(self, name: str) -> torch.dtype:
-        return _TORCH_DTYPES[self.header[name]["dtype"]]
+        return TORCH_DTYPES[self.header[name]["dtype"]]
 
     def read(self, name: str) -> torch.Tensor:
         """The next tensor (its memory is hashed in the background: treat it as read-only)."""
@@ -235,7 +235,7 @@ class SequentialReader:
         if self._bg is not None:
             self._bg.submit(lambda b=buf: self._hash.update(b))  # hashed while the caller computes
         self._pos = end
-        dtype = _TORCH_DTYPES[info["dtype"]]
+        dtype = TORCH_DTYPES[info["dtype"]]
         if not buf:
             return torch.empty(info["shape"], dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])

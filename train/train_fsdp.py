@@ -8,7 +8,10 @@ One such command is one DiLoCo worker (`--hv.world-rank` of `--hv.galaxy-size`);
 worker's data-parallel group (train/dist.py). Hivemind is replaced by the shared BASE_DIR: the worker of world rank
 0 also starts the coordinator (`python diloco.py`, logs/coordinator.log) unless `--no-coordinator` says that one
 runs elsewhere. Each flag maps onto one config key (FLAG_TO_KEY; README "Multi-GPU workers (torchrun) and the
-OpenDiLoCo-style CLI"); a seed flag with no counterpart here fails with what to use instead (UNSUPPORTED).
+OpenDiLoCo-style CLI"). A seed flag whose job is done otherwise here is accepted with a one-line note saying how
+(NOTED: hivemind peers, activation logging; nearest sharding strategy; checkpoint interval rounded to a round end);
+one with no counterpart fails with what to use instead (UNSUPPORTED). `plan(argv, world)` does all of this without
+training (tests/test_seeds.py runs every seed command line through it).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file (torchrun train/train_fsdp.py): import the package from the repo
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from train.config import REPO_ROOT, ConfigError, RunConfig, load_config  # noqa: E402
+from train.config import REPO_ROOT, ConfigError, RunConfig, load_config, parse_override  # noqa: E402
 
 log = logging.getLogger("train_fsdp")
 
@@ -40,14 +43,28 @@ FLAG_TO_KEY = {
     "hv.galaxy-size": "outer.num_workers", "hv.averaging-timeout": "outer.round_timeout_s",
 }
 PRECISION = {"32-true": "fp32", "32": "fp32", "fp32": "fp32", "bf16-mixed": "bf16-mixed", "fp16-mixed": "fp16-mixed"}
-SHARDING = {"NO_SHARD": "ddp", "FULL_SHARD": "fsdp"}
+# torch FSDP1 ShardingStrategy -> inner.parallel, and why when it is only the nearest. fsdp (FSDP2 fully_shard over
+# the worker's processes) shards parameters, gradients and AdamW state: never more memory than the seed's choice.
+SHARDING = {"NO_SHARD": ("ddp", ""), "FULL_SHARD": ("fsdp", "")}
+for _s, _what in (("SHARD_GRAD_OP", "ZeRO-2: gradients and optimizer state sharded, parameters whole"),
+                  ("HYBRID_SHARD", "FULL_SHARD within each node, replicated across nodes"),
+                  ("_HYBRID_SHARD_ZERO2", "ZeRO-2 within each node, replicated across nodes")):
+    SHARDING[_s] = ("fsdp", f"{_s} ({_what}) is not implemented; the nearest is inner.parallel = fsdp (FSDP2 "
+                            f"fully_shard: parameters too are sharded, over all of the worker's processes), which "
+                            f"needs no more memory per GPU")
+# seed flags accepted for what they mean here: flag -> (takes a value, the one-line note logged when given)
+NOTED = {
+    "hv.initial-peers": (True, "there is no DHT here: workers meet in the run folder BASE_DIR/<project> on a shared "
+                               "disk; every worker needs the same --ckpt.path (or --base-dir) and --project, on a "
+                               "folder they all see"),
+    "hv.skip-load-from-peers": (False, "there are no peers to load from: every worker loads the committed global "
+                                       "model from BASE_DIR/<project> anyway"),
+    "log-activations-steps": (True, "activation-norm logging is not implemented; loss, learning rate, tokens and "
+                                    "timings are logged every round"),
+}
 UNSUPPORTED = {
-    "hv.initial-peers": "there is no DHT: workers meet on the shared BASE_DIR; give every worker the same "
-                        "--base-dir (or --ckpt.path) and --project",
-    "hv.skip-load-from-peers": "workers always start from the committed global model on BASE_DIR; drop the flag",
     "hv.matchmaking-time": "there is no matchmaking: the coordinator waits up to --hv.averaging-timeout for deltas",
     "hv.fail-rank-drop": "a worker that misses a round is dropped from it (outer.min_workers); drop the flag",
-    "log-activations-steps": "activation logging is not implemented; drop the flag",
     "dataset-name-or-paths": "use --set data.dataset=<folder, file, glob or hub name>",
 }
 
@@ -78,11 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-torch-compile", dest="compile", action="store_false", help="inner.compile = false")
     ap.add_argument("--ckpt.path", dest="ckpt_path", help="base_dir: the run's state lives in BASE_DIR/<project>")
     ap.add_argument("--ckpt.interval", "--checkpoint-interval", dest="ckpt_interval", type=int,
-                    help="accepted when a multiple of the local steps (we checkpoint at every round end)")
+                    help="every round end is a checkpoint: rounded up to a multiple of the local steps (with a note)")
     ap.add_argument("--resume-from-checkpoint", dest="resume", help="the run folder (BASE_DIR/<project>): workers "
                                                                     "always resume from it")
     ap.add_argument("--no-coordinator", action="store_true", help="the coordinator (python diloco.py) runs "
                                                                   "elsewhere; world rank 0 does not start one")
+    for flag, (takes_value, note) in NOTED.items():
+        ap.add_argument("--" + flag, dest=flag, help="accepted, not used: " + note,
+                        **({"action": "append"} if takes_value else {"action": "store_true"}))
     return ap
 
 
@@ -95,10 +115,12 @@ def overrides_from(args: argparse.Namespace, world: int) -> list[str]:
         vals["precision"] = PRECISION[vals["precision"]]
     if "sharding-strategy" in vals:
         if vals["sharding-strategy"] not in SHARDING:
-            raise ConfigError(f"--sharding-strategy {vals['sharding-strategy']}: supported are NO_SHARD (DDP) and "
-                              f"FULL_SHARD (FSDP2 fully_shard, inner.parallel = fsdp); hybrid / ZeRO-2 sharding "
-                              f"is not implemented")
-        vals["sharding-strategy"] = SHARDING[vals["sharding-strategy"]]
+            raise ConfigError(f"--sharding-strategy {vals['sharding-strategy']}: must be one of {', '.join(SHARDING)}"
+                              f" (NO_SHARD = DDP, inner.parallel = ddp; the others: FSDP2, inner.parallel = fsdp)")
+        parallel, why = SHARDING[vals["sharding-strategy"]]
+        if why:
+            log.info("--sharding-strategy %s", why)
+        vals["sharding-strategy"] = parallel
     if args.ckpt_path:
         if vals.get("base-dir") and Path(vals["base-dir"]).resolve() != Path(args.ckpt_path).resolve():
             raise ConfigError(f"--ckpt.path {args.ckpt_path} and --base-dir {vals['base-dir']} differ: checkpoints "
@@ -121,31 +143,80 @@ def overrides_from(args: argparse.Namespace, world: int) -> list[str]:
     return out + [f"inner.nproc_per_node={world}"]
 
 
+def _load_quietly(path: str, ovs: list[str]) -> RunConfig:
+    """load_config without its notes (an intermediate load: the final one logs them once)."""
+    cl = logging.getLogger("config")
+    was, cl.disabled = cl.disabled, True
+    try:
+        return load_config(path, ovs)
+    finally:
+        cl.disabled = was
+
+
+def _run_length(args: argparse.Namespace, path: str, ovs: list[str], cfg: RunConfig) -> None:
+    """--max-steps, else --total-steps, is the length of the run (OpenDiLoCo trains until it; --total-steps is also
+    the cosine schedule's length): outer.rounds = ceil(steps / local steps), appended to `ovs`."""
+    flag = "max-steps" if args.max_steps is not None else "total-steps" if getattr(args, "total-steps") else None
+    if flag is None:
+        return
+    steps = args.max_steps if flag == "max-steps" else cfg.inner.total_steps
+    if steps < 1:
+        raise ConfigError(f"--{flag} {steps}: must be >= 1")
+    if any(parse_override(o)[0] == "outer.rounds" for o in args.set):
+        if flag == "max-steps":
+            raise ConfigError(f"--max-steps {steps} and --set outer.rounds={cfg.outer.rounds} both give the run "
+                              f"length: drop one of them")
+        log.info("--total-steps %d is the cosine schedule's length; the run is --set outer.rounds = %d rounds of %d "
+                 "local steps", steps, cfg.outer.rounds, cfg.outer.local_steps)
+        return
+    H = cfg.outer.local_steps
+    if H > steps:  # fewer steps than one round: one round of them
+        if getattr(args, "hv.local-steps") is not None:
+            log.warning("--%s %d < --hv.local-steps %d: one round of %d local steps", flag, steps, H, steps)
+        ovs.append(f"outer.local_steps={steps}")
+        H = steps
+    rounds = math.ceil(steps / H)
+    exact = rounds * H == steps
+    if flag == "total-steps":
+        log.info("--total-steps %d without --max-steps: the run is %d rounds x %d local steps = %d inner steps per "
+                 "worker (outer.rounds = ceil(total steps / local steps)%s)", steps, rounds, H, rounds * H,
+                 "" if exact else ": a round is never cut short")
+    elif not exact:
+        log.warning("--max-steps %d is not a multiple of the local steps %d: running %d rounds = %d inner steps "
+                    "(a round is never cut short)", steps, H, rounds, rounds * H)
+    ovs.append(f"outer.rounds={rounds}")
+
+
 def resolve(args: argparse.Namespace, world: int) -> tuple[str, list[str], RunConfig]:
-    """The config file, the overrides for the worker and the coordinator, and the config they make."""
+    """The config file, the overrides for the worker and the coordinator, and the config they make. Logs one line
+    for every seed flag taken in a nearer meaning than its own; touches no file and imports no torch."""
     path = args.config or ("evolution.json" if Path("evolution.json").is_file() else str(REPO_ROOT / "evolution.json"))
     ovs = overrides_from(args, world) + list(args.set)
+    _run_length(args, path, ovs, _load_quietly(path, ovs))
     cfg = load_config(path, ovs)
-    if args.max_steps is not None:
-        if args.max_steps < 1:
-            raise ConfigError(f"--max-steps {args.max_steps}: must be >= 1")
-        if cfg.outer.local_steps > args.max_steps:  # fewer steps than one round: one round of them
-            if getattr(args, "hv.local-steps") is not None:
-                log.warning("--max-steps %d < --hv.local-steps %d: one round of %d local steps", args.max_steps,
-                            cfg.outer.local_steps, args.max_steps)
-            ovs.append(f"outer.local_steps={args.max_steps}")
-            cfg = load_config(path, ovs)
-        rounds = math.ceil(args.max_steps / cfg.outer.local_steps)
-        if rounds * cfg.outer.local_steps != args.max_steps:
-            log.warning("--max-steps %d is not a multiple of the local steps %d: running %d rounds = %d inner steps "
-                        "(a round is never cut short)", args.max_steps, cfg.outer.local_steps, rounds,
-                        rounds * cfg.outer.local_steps)
-        ovs.append(f"outer.rounds={rounds}")
-        cfg = load_config(path, ovs)
     H = cfg.outer.local_steps
-    if args.ckpt_interval is not None and (args.ckpt_interval < 1 or args.ckpt_interval % H):
-        raise ConfigError(f"--ckpt.interval {args.ckpt_interval}: a worker checkpoints at the end of every round "
-                          f"(every {H} local steps, --hv.local-steps); use a multiple of {H} or drop the flag")
+    if args.ckpt_interval is not None:
+        if args.ckpt_interval < 1:
+            raise ConfigError(f"--ckpt.interval {args.ckpt_interval}: must be >= 1")
+        if args.ckpt_interval % H:
+            up = math.ceil(args.ckpt_interval / H) * H
+            log.info("--ckpt.interval %d is not a multiple of the local steps (%d): checkpoints are taken at round "
+                     "ends, so it is rounded up to %d; every round end is saved in %s anyway (a resume loses at most "
+                     "one round)", args.ckpt_interval, H, up, cfg.run_dir)
+            args.ckpt_interval = up
+    given = {parse_override(o)[0] for o in args.set}
+    hivemind = any(getattr(args, f) is not None for f in FLAG_TO_KEY if f.startswith("hv.")) or args.world_rank
+    oc = cfg.outer
+    if hivemind and not {"outer.lr", "outer.momentum"} & given and (oc.momentum, oc.nesterov) != (0.9, True):
+        log.info("outer optimizer: SGD lr %g, momentum %g%s (from %s%s); OpenDiLoCo's is lr 0.7 (--hv.outer-lr) with "
+                 "Nesterov momentum 0.9: add --set outer.momentum=0.9 (and --hv.outer-lr 0.7) for it", oc.lr,
+                 oc.momentum, ", Nesterov" if oc.nesterov else "", Path(path).name,
+                 ", --hv.outer-lr" if getattr(args, "hv.outer-lr") is not None else "")
+    for flag, (_, note) in NOTED.items():
+        value = getattr(args, flag)
+        if value:
+            log.info("--%s%s: accepted, not used: %s", flag,
+                     "" if value is True else " " + " ".join(map(str, value)), note)
     if args.resume:
         want, run = Path(args.resume).expanduser().resolve(), cfg.run_dir.resolve()
         if not (want in (run, run.parent) or run in want.parents):  # BASE_DIR, the run folder or inside it
@@ -156,60 +227,85 @@ def resolve(args: argparse.Namespace, world: int) -> tuple[str, list[str], RunCo
     if not 0 <= args.world_rank < cfg.outer.num_workers:
         raise ConfigError(f"--hv.world-rank {args.world_rank}: must be in 0..{cfg.outer.num_workers - 1} "
                           f"(--hv.galaxy-size {cfg.outer.num_workers})")
+    return path, ovs, cfg
+
+
+def check_environment(cfg: RunConfig) -> None:
+    """What this machine must have for the run (not a question of the command line)."""
     if cfg.logging.metrics in ("wandb", "tensorboard"):
         mod = "wandb" if cfg.logging.metrics == "wandb" else "tensorboard"
         if importlib.util.find_spec(mod) is None:
             raise ConfigError(f"--metric-logger-type {cfg.logging.metrics}: `pip install {mod}` first, or use jsonl "
                               f"or dummy")
-    return path, ovs, cfg
+
+
+def _note_repeats(argv: list[str]) -> None:
+    """A flag given twice with different values: argparse keeps the last one; say so."""
+    seen: dict[str, list[str]] = {}
+    for i, a in enumerate(argv):
+        if not a.startswith("--") or a == "--":
+            continue
+        name, eq, val = a[2:].partition("=")
+        if not eq:
+            val = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
+        if name != "set" and name not in NOTED:  # --set and --hv.initial-peers add up; the others replace
+            seen.setdefault(name, []).append(val)
+    for name, vals in seen.items():
+        if len(set(vals)) > 1:
+            log.info("--%s is given %d times (%s): the last one, %s, is used", name, len(vals), ", ".join(vals),
+                     vals[-1])
+
+
+def plan(argv: list[str], world: int = 1) -> tuple[argparse.Namespace, str, list[str], RunConfig]:
+    """The whole command line, checked and mapped, without training: (args, config path, overrides, config).
+    `world` is the torchrun group size (processes of this worker). ConfigError for anything we cannot honour."""
+    argv = normalise(list(argv))
+    for a in argv:
+        name = a[2:].partition("=")[0]
+        if a.startswith("--") and name in UNSUPPORTED:
+            raise ConfigError(f"--{name} is not supported: {UNSUPPORTED[name]}")
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        raise ConfigError(f"unsupported argument(s) {' '.join(unknown)}: see `train/train_fsdp.py --help` for the "
+                          f"flags we map, or set any config key with --set KEY=VALUE (README: configuration)")
+    _note_repeats(argv)
+    return (args, *resolve(args, world))
 
 
 def start_coordinator(path: str, ovs: list[str], cfg: RunConfig) -> subprocess.Popen:
-    """`python diloco.py` with the same config, in its own process group, stopped with us (logs/coordinator.log)."""
-    from train.procs import _die_with_parent
+    """`python -m diloco` with the same config, in its own process group, stopped with us (logs/coordinator.log)."""
+    from train.procs import die_with_parent
     from train.store import RunPaths
+    from train.strategies import STRATEGIES
 
     logf = RunPaths(cfg.run_dir).logs / "coordinator.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(REPO_ROOT / "diloco.py"), "--config", path, *[x for o in ovs for x in ("--set", o)],
-           "--no-progress"]
+    cmd = [sys.executable, "-m", STRATEGIES["diloco"].coordinator_module, "--config", path,
+           *[x for o in ovs for x in ("--set", o)], "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # the coordinator is not part of our torchrun group
     with open(logf, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                cwd=REPO_ROOT, start_new_session=True, preexec_fn=die_with_parent)
     log.info("started the coordinator (pid %d, log %s)", proc.pid, logf)
     return proc
 
 
 def main(argv: list[str] | None = None) -> int:
     from train.dist import get_dist_info
-    from train.logs import setup_logging
+    from train.errors import setup_logging
     from train.model import quiet_transformers
     from train.store import ProtocolError
     from train.worker import Worker
 
     info = get_dist_info()
     setup_logging("train_fsdp", logging.INFO if info.main else logging.WARNING)
-    argv = normalise(list(sys.argv[1:] if argv is None else argv))
-    for a in argv:
-        name = a[2:].partition("=")[0]
-        if a.startswith("--") and name in UNSUPPORTED:
-            if info.main:  # every rank fails the same way: one message is enough
-                log.error("--%s is not supported: %s", name, UNSUPPORTED[name])
-            return 2
-    ap = build_parser()
-    args, unknown = ap.parse_known_args(argv)
-    if unknown:
-        if info.main:
-            log.error("unsupported argument(s) %s: see `train/train_fsdp.py --help` for the flags we map, or set "
-                      "any config key with --set KEY=VALUE (README: configuration)", " ".join(unknown))
-        return 2
     quiet_transformers()
     coord = None
     try:
-        path, ovs, cfg = resolve(args, info.world)
+        args, path, ovs, cfg = plan(sys.argv[1:] if argv is None else argv, info.world)
+        check_environment(cfg)
         if info.main and args.world_rank == 0 and not args.no_coordinator:
             coord = start_coordinator(path, ovs, cfg)
         worker = Worker(cfg, args.world_rank)

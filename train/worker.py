@@ -18,19 +18,16 @@ every step's batch, and the group's gradients are averaged, so the worker publis
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import os
-import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from train.config import ConfigError, RunConfig, load_config
+from train.config import ConfigError, RunConfig
 from train.data import ShardSampler, TokenData, find_data
 from train.dist import (
     DistInfo,
@@ -43,7 +40,7 @@ from train.dist import (
     load_full,
 )
 from train.inner import InnerTrainer
-from train.model import WEIGHTS, load_weights_into, quiet_transformers
+from train.model import WEIGHTS, load_weights_into
 from train.heartbeat import Heartbeat
 from train.protocol import delta_sidecar, publish_sidecar, write_delta
 from train.store import (
@@ -266,19 +263,8 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m train.worker", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="evolution.json", help="evolution.json of the run")
-    ap.add_argument("--worker", type=int, required=True, help="this worker's id, 0..num_workers-1")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
-    args = ap.parse_args(argv)
-    quiet_transformers()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cfg = load_config(args.config, args.set)
-    if args.threads:
-        cfg.inner.threads = args.threads
-    Worker(cfg, args.worker).run()
-    return 0
+    from train.cli import worker_main
+    return worker_main("diloco", Worker, __doc__.split("\n")[0], argv)
 
 
 if __name__ == "__main__":
