@@ -159,7 +159,7 @@ class OuterConfig:
     rounds: int = doc(10, "Outer rounds (DiLoCo) to run.")
     local_steps: int = doc(50, "H: inner optimizer steps per worker between outer steps.")
     lr: float = doc(1.0, "Outer SGD learning rate. 1.0 with momentum 0 (parameter averaging) was best in our "
-                         "sweep at the embedded scale (README: benchmarks); the DiLoCo paper uses 0.7.")
+                         "sweep at the embedded scale (docs/benchmarks.md); the DiLoCo paper uses 0.7.")
     momentum: float = doc(0.0, "Outer SGD momentum; the DiLoCo paper uses 0.9 (Nesterov) at larger scale and H.")
     nesterov: bool = doc(True, "Nesterov momentum for the outer step.")
     min_workers: int = doc(1, "After `round_timeout_s`, commit the round if at least this many deltas arrived.")
@@ -298,6 +298,8 @@ class EvoMergeConfig:
     weight: list = doc([0.2, 0.8], "Range of the `weight` gene: the first parent's weight w (the second's 1 - w) "
                                    "in linear / task-vector merges.")
     density: list = doc([0.3, 1.0], "Range of the `density` gene: fraction of each task vector kept by ties / dare.")
+    consensus_method: str = doc("sum", "Sign election of ties / dare_ties (mergekit's consensus_method): sum = the "
+                                       "sign of the weighted sum (TIES), count = the majority of the models' signs.")
     scale: list = doc([0.5, 1.5], "Range of the `scale` gene: lambda, the factor on the merged task vector.")
     datasets: dict = doc({}, "SFT data of the mutation: {name: source}, a source being task:addition / "
                              "task:reverse / task:sort, a .jsonl/.json file of chat `messages` or prompt/answer rows, "
@@ -325,6 +327,7 @@ class EvoMergeConfig:
         if self.density[0] <= 0:
             raise bad_value(p + "density", self.density, "low must be > 0 (density 0 keeps nothing)")
         _check_span(self, p, "scale", 0.0, 10.0)
+        _check_choice(self, p, "consensus_method", ("sum", "count"))
         for name, src in self.datasets.items():
             if not name.replace("_", "a").replace("-", "a").isalnum() or not isinstance(src, str) or not src:
                 raise bad_value(f"{p}datasets.{name}", src,
@@ -616,7 +619,7 @@ def build_config(raw: dict, overrides: list[str] | None = None, source: str = "<
         known = _all_keys(RunConfig)
         for key in flat:
             if key not in known:
-                raise ConfigError(f"unknown key {key!r}{_suggest(key, known)} (see README: configuration)")
+                raise ConfigError(f"unknown key {key!r}{_suggest(key, known)} (see docs/config.md)")
         user = frozenset(k for k, v in flat.items() if not (k == "project_name" and v is None))
         for key, value in (defaults or {}).items():
             if key not in known:

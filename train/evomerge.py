@@ -87,6 +87,8 @@ def decode_evomerge(dna: dict, cfg: RunConfig, g: int, m: int) -> dict:
         recipe["weights"] = [round(w, 6), round(1.0 - w, 6)]
     if method in SPARSE:
         recipe["density"] = round(_value(dna, genes, "density", 1.0), 6)
+    if method in ("ties", "dare_ties"):
+        recipe["consensus_method"] = em.consensus_method
     if method in BASE_METHODS:
         recipe["lambda"] = round(_value(dna, genes, "scale", 1.0), 6)
     if method.startswith("dare"):
