@@ -1,4 +1,11 @@
-"""Shared fixtures: tiny run configs in a temp BASE_DIR (micro Llama, the embedded corpus or fake data)."""
+"""Shared fixtures: tiny run configs in a temp BASE_DIR (micro Llama, the embedded corpus or fake data).
+
+Torch CPU threads are pinned for the whole session, in this process and in every process a test starts:
+EDT_TEST_THREADS (default 1) sets torch.set_num_threads here and OMP_NUM_THREADS for child processes (coordinators
+take torch's default from it); worker processes get `--threads EDT_TEST_THREADS` from helpers_proc.with_threads.
+A test that compares two runs bit for bit thus compares the same computation, whatever the machine's core count.
+A proof run with other values: `EDT_TEST_THREADS=2 PYTHONHASHSEED=7 python -m pytest tests`.
+"""
 from __future__ import annotations
 
 import json
@@ -7,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -16,6 +24,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TEST_THREADS = int(os.environ.get("EDT_TEST_THREADS") or 1)
+if TEST_THREADS < 1:
+    raise pytest.UsageError(f"EDT_TEST_THREADS = {TEST_THREADS}: must be >= 1")
+os.environ["EDT_TEST_THREADS"] = str(TEST_THREADS)  # for tests/diloco_opt_worker.py and other helpers
+os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)   # torch's default in child processes (coordinators, workers)
+torch.set_num_threads(TEST_THREADS)
+
+
+def pin_threads() -> None:
+    """Back to the session's thread count (a test that trained in process calls this first: another test, or a
+    library call, may have changed it)."""
+    torch.set_num_threads(TEST_THREADS)
 
 
 def tiny_config(base_dir: Path, **sections) -> dict:

@@ -1,13 +1,15 @@
 """One worker of tests/test_diloco_optimizer.py: a user's own training loop with DiLoCoOptimizer that does, step for
 step, what `python -m train.worker` does (train/worker.py, train/inner.py) for the same config.
 
-    python tests/diloco_opt_worker.py EVOLUTION_JSON WORKER BASE_DIR
+    python tests/diloco_opt_worker.py EVOLUTION_JSON WORKER BASE_DIR [--threads N]
 
 Same θ_0 (build_model with the run's seed), the same shard batches (ShardSampler on the coordinator run's token
-cache), AdamW with the same hyperparameters, warmup + cosine as a LambdaLR, gradient clipping, fp32, one thread.
+cache), AdamW with the same hyperparameters, warmup + cosine as a LambdaLR, gradient clipping, fp32, `--threads`
+torch threads (default 1; the test passes the simulator's workers' value, through helpers_proc.with_threads).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from functools import partial
 from pathlib import Path
@@ -23,12 +25,12 @@ from train.inner import lm_loss, lr_at  # noqa: E402
 from train.model import build_model, quiet_transformers  # noqa: E402
 
 
-def main(config: str, worker: int, base_dir: str) -> None:
+def main(config: str, worker: int, base_dir: str, threads: int = 1) -> None:
     quiet_transformers()
     cfg = load_config(config)
     ic, oc = cfg.inner, cfg.outer
     assert ic.grad_accum == 1 and ic.precision == "fp32", "this loop replicates the fp32, no-accumulation worker"
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     model = build_model(cfg)  # θ_0 from the run's seed, as the coordinator builds it; worker 0 commits it
     torch.manual_seed(cfg.seed * 1000 + worker)
     model.train()
@@ -58,4 +60,10 @@ def main(config: str, worker: int, base_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("worker", type=int)
+    ap.add_argument("base_dir")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    main(a.config, a.worker, a.base_dir, a.threads)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, tiny_config
+from conftest import REPO, pin_threads, tiny_config
 from train.config import build_config
 from train.data import ShardSampler, TokenData, prepare_data
 from train.inner import InnerTrainer, lr_at
@@ -250,7 +250,7 @@ def test_lr_schedule_edge_cases():
 
 
 def test_trainer_lr_follows_the_config(tmp_path):
-    torch.set_num_threads(1)
+    pin_threads()
     cfg = build_config(tiny_config(tmp_path, inner={"warmup_steps": 2, "min_lr_ratio": 0.1}))
     tr = InnerTrainer(cfg, build_model(cfg), torch.device("cpu"))
     assert cfg.total_inner_steps == 15
@@ -261,7 +261,7 @@ def test_trainer_lr_follows_the_config(tmp_path):
 
 # -- inner optimizer state round trip --------------------------------------------------------------------------------
 def test_inner_state_round_trips_adamw_exactly(tmp_path):
-    torch.set_num_threads(1)
+    pin_threads()
     cfg = build_config(tiny_config(tmp_path, model={"name": str(REPO / "configs" / "micro-llama.json")}))
     gen = torch.Generator().manual_seed(123)
     batches = [torch.randint(0, 2048, (8, cfg.data.seq_length + 1), generator=gen) for _ in range(4)]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from functools import partial
 
 import pytest
 import torch
 
 from conftest import REPO, tiny_config
+from helpers_proc import script_cmd
 from train.diloco_optimizer import DiLoCoOptimizer, load_global
 from train.outer import outer_step
 from train.store import ProtocolError, RunPaths, read_jsonl, verify_manifest
@@ -165,12 +165,12 @@ def test_two_worker_processes_match_the_coordinator_run(tmp_path):
     cfg.write_text(json.dumps(tiny_config(tmp_path / "runs", data={"fake_data": True, "fake_tokens": 20000},
                                           outer={"rounds": 3, "local_steps": 4}, logging={"plot": False})))
     # Both runs at once (the optimizer's workers wait for the token cache the coordinator writes, then read it).
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "diloco_opt_worker.py"), str(cfg), str(w),
-                               str(tmp_path / "opt")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=REPO) for w in (0, 1)]
+    # Threads pinned on both sides (script_cmd): the same float operations, bit for bit, on any machine.
+    procs = [subprocess.Popen(script_cmd("tests/diloco_opt_worker.py", str(cfg), str(w), str(tmp_path / "opt")),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO) for w in (0, 1)]
     try:
-        ref = subprocess.run([sys.executable, str(REPO / "diloco_sim.py"), "--config", str(cfg)],
-                             capture_output=True, text=True, timeout=300, cwd=REPO)
+        ref = subprocess.run(script_cmd("diloco_sim.py", "--config", str(cfg)), capture_output=True, text=True,
+                             timeout=300, cwd=REPO)
         assert ref.returncode == 0, ref.stdout + ref.stderr
         outs = [p.communicate(timeout=300)[0] for p in procs]
     finally:

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from conftest import REPO, tiny_config
+from conftest import REPO, pin_threads, tiny_config
 from helpers_proc import kill_all, run_script, start_script, wait_until
 from train.edt_store import (EDTPaths, holds_claim, publish_once, renew_lease, requeue, stale_count,
                              tmp_member_dir, try_claim)
@@ -122,11 +122,14 @@ def test_three_workers_two_generations_complete(tmp_path):
     recs = read_jsonl(paths.metrics)
     assert [r["generation"] for r in recs] == [0, 1]
     for r in recs:
-        assert set(r["eval_loss"]) == {"m000", "m001", "m002"} and r["top_fitness"] >= r["avg_fitness"]
+        assert set(r["eval_loss"]) == {"m000", "m001", "m002"}
+        assert r["top_fitness"] >= r["avg_fitness"] - 1e-12  # max >= mean (sum / n may round 1 ulp above)
         assert r["tokens_generation"] == 3 * 4 * 8 * 32  # members x steps x batch x seq_length
         assert r["bytes_workers"] > 0
     assert recs[1]["bytes_coordinator"] > 0 and len(recs[1]["parents"]["m000"]) == 2
-    assert recs[1]["best_eval_loss"] < recs[0]["avg_eval_loss"]  # it learns
+    # it learns: 7.54 < 7.60 here, fp32, where kernel differences move a loss by ~1e-6
+    assert recs[1]["best_eval_loss"] < recs[0]["avg_eval_loss"] - 0.01, (recs[1]["best_eval_loss"],
+                                                                        recs[0]["avg_eval_loss"])
     lineage = check_lineage(paths, 2, 3)
     origins = [r["origin"] for r in lineage if r["generation"] == 0]
     assert set(origins) == set(specs) and origins[:2] == specs
@@ -136,9 +139,12 @@ def test_three_workers_two_generations_complete(tmp_path):
     assert read_json(paths.done)["generations"] == 2
     for w in range(3):
         assert "the run is complete" in paths.worker_log(w).read_text()
-    # A coordinator that died while writing generation 1 rebuilds exactly the same jobs when rerun.
+    # A coordinator that died while writing generation 1 rebuilds exactly the same jobs when rerun. Bit for bit: this
+    # process and edt_sim.py's coordinator run the merges with the same thread count (conftest.py pins both).
     from train.config import load_config
     from train.edt_coordinator import EDTCoordinator
+
+    pin_threads()
 
     before = {m: (read_json(paths.job_json(1, m)), read_json(paths.job_dir(1, m) / "MANIFEST.json"))
               for m in range(3)}

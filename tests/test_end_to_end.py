@@ -35,7 +35,8 @@ def test_two_workers_three_rounds_learn(finished_run):
             assert key in r, key
         assert set(r["worker_loss"]) == {"w000", "w001"} and r["missing"] == [] and r["rejected"] == {}
     evals = [r["eval_loss"] for r in recs]
-    assert evals[3] < evals[1] < evals[0]
+    # 7.62 -> 7.53 -> 7.17 -> 6.98 here (fp32: kernel differences move these by ~1e-6), so a margin of 0.01 holds
+    assert evals[3] < evals[1] - 0.01 and evals[1] < evals[0] - 0.01, evals
     assert recs[3]["tokens"] == 3 * 2 * 8 * 8 * 32  # rounds x workers x H x batch x seq_length
 
 
@@ -75,7 +76,8 @@ def test_rerunning_a_finished_run_is_a_no_op(finished_run):
 
 
 def test_cluster_layout_gives_the_same_model_as_the_simulator(finished_run, tmp_path):
-    """diloco.py + two `python -m train.worker` processes (what the launcher starts) == diloco_sim.py."""
+    """diloco.py + two `python -m train.worker` processes (what the launcher starts) == diloco_sim.py, bit for bit:
+    the workers of both runs train with the same thread count (helpers_proc.with_threads passes --threads to both)."""
     cfg_path, sim_paths, _ = finished_run
     raw = json.loads(cfg_path.read_text())
     raw["base_dir"] = str(tmp_path / "runs")

@@ -115,7 +115,9 @@ def write_cfg(tmp_path, raw: dict) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_mismatched_parents_are_refused_before_any_work(tmp_path, specialists):
+    """edt_sim.py (its coordinator refuses the parents after it has started the worker processes, which it stops)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     other = AutoConfig.from_pretrained(REPO / "configs" / "micro-llama.json")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, pin_threads
 from train.config import build_config
 from train.inner import InnerTrainer
 from train.model import build_model
@@ -25,11 +25,13 @@ def _batches(seed=0):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
 def test_each_precision_trains_and_stays_finite(tmp_path, precision):
-    torch.set_num_threads(1)
-    tr = _trainer(tmp_path, precision=precision)
+    pin_threads()
+    tr = _trainer(tmp_path, precision=precision, lr=1e-2, warmup_steps=1)
     first = tr.train_steps(_batches(), 1)["loss"]
     later = tr.train_steps(_batches(1), 6)
-    assert later["last_loss"] < first
+    # 7.64 -> 7.06 in every precision here; bf16 and fp16 move it by < 1e-3 from fp32, so no CPU's kernels can
+    # take it across this margin
+    assert later["last_loss"] < first - 0.25, (first, later["last_loss"])
     assert all(torch.isfinite(p).all() for p in tr.model.parameters())
     assert tr.scaler.is_enabled() == (precision == "fp16-mixed")
     assert next(tr.model.parameters()).dtype == torch.float32  # master weights stay fp32
@@ -47,7 +49,7 @@ def test_fp16_grad_scaler_state_survives_a_restart(tmp_path):
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     """total 8 = 2 x 4 accumulated gives the same step as one batch of 8 (fp32, same data)."""
-    torch.set_num_threads(1)
+    pin_threads()
     a = _trainer(tmp_path, per_device_batch_size=4, total_batch_size=8, grad_clip=0.0)
     b = _trainer(tmp_path, per_device_batch_size=8, total_batch_size=8, grad_clip=0.0)
     data = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(3))
@@ -59,7 +61,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
 
 
 def test_grad_clip_bounds_the_update(tmp_path):
-    torch.set_num_threads(1)
+    pin_threads()
     tr = _trainer(tmp_path, grad_clip=1e-3, lr=1.0, weight_decay=0.0, warmup_steps=0)
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
     captured = {}

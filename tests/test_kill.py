@@ -5,14 +5,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from helpers_proc import run_script, wait_until
+from helpers_proc import run_script, script_cmd, wait_until
 from train.config import build_config
 from train.coordinator import Coordinator
 from train.store import RunPaths, read_json, read_jsonl, verify_manifest
@@ -42,7 +41,7 @@ def _check_finished(paths: RunPaths, rounds: int, workers: int, H: int, batch: i
 def test_sigkill_worker_mid_round_then_rerun_finishes(write_config, tmp_path):
     cfg = write_config(outer={"rounds": 3, "local_steps": 400})  # rounds of a few seconds: room to aim
     paths = RunPaths(tmp_path / "runs" / "t")
-    cmd = [sys.executable, str(REPO / "diloco_sim.py"), "--config", str(cfg)]
+    cmd = script_cmd("diloco_sim.py", "--config", str(cfg))
     sim = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         wait_until(lambda: _progress(paths, 1).get("round", -1) >= 1 and _progress(paths, 1).get("status") ==
@@ -67,7 +66,7 @@ def test_sigkill_simulator_at_random_moments_then_rerun_finishes(write_config, t
     """The simulator hosts the coordinator: kill it (workers die with it) at random points, several times."""
     cfg = write_config(outer={"rounds": 6, "local_steps": 4, "keep_rounds": 1})
     paths = RunPaths(tmp_path / "runs" / "t")
-    cmd = [sys.executable, str(REPO / "diloco_sim.py"), "--config", str(cfg)]
+    cmd = script_cmd("diloco_sim.py", "--config", str(cfg))
     rng = random.Random(0)
     kills = 0
     for _ in range(3):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import pin_threads
 from train.sft import (DEFAULT_CHAT_TEMPLATE, IGNORE, SFTMixture, encode_sft, ensure_chat_template, render,
                        sft_loss, train_sft)
 from train.tasks import task_items
@@ -100,7 +101,7 @@ def _heldout_loss(model, tok, items):
 
 
 def test_full_finetuning_lowers_the_loss(tok):
-    torch.set_num_threads(1)
+    pin_threads()
     model = micro_model()
     items = task_items("sort", 200, "train")
     before = _heldout_loss(model, tok, items[:32])
@@ -120,7 +121,7 @@ def test_full_finetuning_lowers_the_loss(tok):
 
 def test_lora_trains_adapters_then_merges_into_a_plain_model(tok):
     pytest.importorskip("peft")
-    torch.set_num_threads(1)
+    pin_threads()
     model = micro_model()
     # LoRA adapts a trained model (on a random init the frozen tied embeddings leave it nothing to work with):
     # full fine-tuning on `sort` first, then LoRA on `reverse`

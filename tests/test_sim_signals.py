@@ -5,12 +5,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import REPO
+from helpers_proc import script_cmd
 from train.store import RunPaths
 
 
@@ -30,7 +29,7 @@ def _alive(pid: int) -> bool:
 def test_ctrl_c_stops_all_workers_and_rerun_resumes(write_config, tmp_path):
     cfg_path = write_config(outer={"rounds": 40, "local_steps": 3})
     paths = RunPaths(tmp_path / "runs" / "t")
-    cmd = [sys.executable, str(REPO / "diloco_sim.py"), "--config", str(cfg_path)]
+    cmd = script_cmd("diloco_sim.py", "--config", str(cfg_path))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
     while (paths.latest_committed() or 0) < 1:

@@ -6,8 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from conftest import pin_threads
 from train.specialists import make_specialists
 from train.store import verify_manifest
 from train.tensorio import load_tensors
@@ -21,7 +23,7 @@ def _weights(d: Path) -> dict[str, torch.Tensor]:
 
 
 def test_make_specialists_resumes_and_reports(tmp_path):
-    torch.set_num_threads(1)
+    pin_threads()
     kw = dict(base_steps=3, steps=4, batch_size=4, train_items=50, eval_items=4, model_config=MICRO, progress=False)
     paths = make_specialists(tmp_path / "m", ("addition", "sort"), **kw)
     assert set(paths) == {"base", "addition", "sort"}
@@ -46,7 +48,9 @@ def test_make_specialists_resumes_and_reports(tmp_path):
     assert torch.equal(_weights(again["sort"])[name], srt[name])
 
 
+@pytest.mark.slow
 def test_cli_fast_parallel_jobs(tmp_path):
+    """scripts/make_specialists.py end to end: two specialists trained at once in spawned worker processes."""
     out = tmp_path / "cli"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_specialists.py"), "--out", str(out), "--fast",
                         "--tasks", "reverse", "sort", "--jobs", "2", "--model-config", str(MICRO), "--eval-items", "2"],

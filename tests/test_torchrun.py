@@ -101,8 +101,7 @@ def _run(tmp_path, name: str, rounds: int = 2, **inner) -> RunPaths:
                       outer={"num_workers": 1, "rounds": 2, "local_steps": 3}, logging={"progress": False,
                                                                                        "plot": False})
     (base / "evolution.json").write_text(json.dumps(cfg))
-    out = run_script("diloco_sim.py", "--config", str(base / "evolution.json"), "--threads", "1", "--rounds",
-                     str(rounds), timeout=300)
+    out = run_script("diloco_sim.py", "--config", str(base / "evolution.json"), "--rounds", str(rounds), timeout=300)
     paths = RunPaths(base / "runs" / "t")
     assert out.returncode == 0, out.stderr[-3000:] + paths.worker_log(0).read_text()[-3000:]
     return paths

@@ -80,7 +80,7 @@ def test_hub_model_unreachable_is_a_user_error(tmp_path):
 
 
 def test_hub_dataset_unreachable_is_a_user_error(tmp_path):
-    from train.data import _iter_texts as iter_texts
+    from train.data import iter_texts as iter_texts
 
     cfg = load_config(REPO / "evolution.json", [f"base_dir={tmp_path}", 'data.dataset="nobody-xyz/no-such-data"'])
     os.environ["HF_DATASETS_OFFLINE"] = "1"

@@ -267,7 +267,7 @@ def plan(argv: list[str], world: int = 1) -> tuple[argparse.Namespace, str, list
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:
         raise ConfigError(f"unsupported argument(s) {' '.join(unknown)}: see `train/train_fsdp.py --help` for the "
-                          f"flags we map, or set any config key with --set KEY=VALUE (README: configuration)")
+                          f"flags we map, or set any config key with --set KEY=VALUE (docs/config.md)")
     _note_repeats(argv)
     return (args, *resolve(args, world))
 
