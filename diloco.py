@@ -13,15 +13,15 @@ Your own training loop (README "DiLoCoOptimizer"; workers synchronise through BA
 
 Cluster (the launcher runs this for you next to the workers; see docs/multi-machine.md):
     python diloco.py --config evolution.json           # coordinator: reduce + commit every round
-    python -m train.worker --config evolution.json --worker 0
+    python -m train.diloco.worker --config evolution.json --worker 0
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from train.diloco_optimizer import DiLoCoOptimizer, load_global  # noqa: F401  (public API)
-from train.outer import average_deltas, diloco_round, outer_step, outer_step_tensor  # noqa: F401  (public API)
-from train.store import RunPaths, read_jsonl
+from train.diloco.optimizer import DiLoCoOptimizer, load_global  # noqa: F401  (public API)
+from train.core.outer import average_deltas, diloco_round, outer_step, outer_step_tensor  # noqa: F401  (public API)
+from train.core.store import RunPaths, read_jsonl
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
@@ -30,11 +30,11 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def main() -> int:
-    from train.cli import coordinator_main
+    from train.launch.cli import coordinator_main
     return coordinator_main("diloco", "DiLoCo coordinator: waits for the workers' deltas on BASE_DIR, applies the "
                                       "outer step and commits each round.")
 
 
 if __name__ == "__main__":
-    from train.errors import run_main
+    from train.core.errors import run_main
     run_main(main, "coordinator")

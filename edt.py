@@ -11,19 +11,19 @@ Notebook:
 
 Cluster (the launcher runs this next to the workers; see docs/edt.md):
     python edt.py --config evolution.json                       # coordinator: select, cross over, commit
-    python -m train.edt_worker --config evolution.json --worker 0
+    python -m train.edt.worker --config evolution.json --worker 0
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from train.evolution import (GENES, crossover_dna, decode, fitness_function, mutate_dna, rank_order,  # noqa: F401
-                             rank_weights, select_pairs, tournament)
-from train.lineage import load_lineage, load_population, plot_fitness, plot_lineage  # noqa: F401
-from train.merge import (curve_value, interpolate, lerp, merge_files, outer_sgd_crossover,  # noqa: F401
-                         outer_sgd_tensor, slerp, t_for)
-from train.store import RunPaths, read_jsonl
+from train.edt.evolution import (GENES, crossover_dna, decode, fitness_function, mutate_dna, rank_order,  # noqa: F401
+                                 rank_weights, select_pairs, tournament)
+from train.edt.lineage import load_lineage, load_population, plot_fitness, plot_lineage  # noqa: F401
+from train.merge.crossover import (curve_value, interpolate, lerp, merge_files, outer_sgd_crossover,  # noqa: F401
+                                   outer_sgd_tensor, slerp, t_for)
+from train.core.store import RunPaths, read_jsonl
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
@@ -33,7 +33,7 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
 
 def add_edt_args(ap: argparse.ArgumentParser) -> None:
     """Config flags plus the EDT shortcuts (--generations, --population map to edt.* keys)."""
-    from train.cli import add_config_args
+    from train.launch.cli import add_config_args
 
     add_config_args(ap)
     ap.add_argument("--generations", type=int, help="edt.max_generations")
@@ -41,11 +41,11 @@ def add_edt_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main() -> int:
-    from train.cli import coordinator_main
+    from train.launch.cli import coordinator_main
     return coordinator_main("edt", "EDT coordinator: waits for the members' results on BASE_DIR, selects, crosses "
                                    "over and commits each generation.", add_edt_args)
 
 
 if __name__ == "__main__":
-    from train.errors import run_main
+    from train.core.errors import run_main
     run_main(main, "edt-coordinator")

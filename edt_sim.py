@@ -14,10 +14,10 @@ import logging
 
 def main() -> int:
     from edt import add_edt_args
-    from train.cli import load_from_args, preflight
-    from train.local_run import run_local
-    from train.model import quiet_transformers
-    from train.strategies import STRATEGIES
+    from train.launch.cli import load_from_args, preflight
+    from train.launch.local_run import run_local
+    from train.core.model import quiet_transformers
+    from train.core.strategies import STRATEGIES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_edt_args(ap)
@@ -38,5 +38,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from train.errors import run_main
+    from train.core.errors import run_main
     run_main(main, "edt_sim")

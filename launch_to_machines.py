@@ -18,8 +18,8 @@ COMMANDS = ("launch", "status", "logs", "stop", "preflight")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from train.cli import add_config_args
-    from train.strategies import STRATEGIES
+    from train.launch.cli import add_config_args
+    from train.core.strategies import STRATEGIES
 
     common = argparse.ArgumentParser(add_help=False)
     add_config_args(common)
@@ -59,15 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.cli import overrides_from
-    from train.errors import UserError
-    from train.machines import load_machines
-    from train.launcher import Launcher, fail
-    from train.ssh import SSHError, SSHOptions
+    from train.launch.cli import overrides_from
+    from train.core.errors import UserError
+    from train.launch.machines import load_machines
+    from train.launch.launcher import Launcher, fail
+    from train.launch.ssh import SSHError, SSHOptions
 
     import logging
 
-    from train.errors import setup_logging
+    from train.core.errors import setup_logging
     setup_logging("launcher")  # info lines: the derived worker count, config notes
     logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # its errors reach us as SSHError, with the fix
     argv = list(sys.argv[1:] if argv is None else argv)

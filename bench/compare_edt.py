@@ -92,9 +92,9 @@ def test_loss(run: Path, seq: int, fit_windows: int, batch: int) -> tuple[float,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from train.data import TokenData
-    from train.inner import evaluate
-    from train.model import quiet_transformers
+    from train.core.data import TokenData
+    from train.core.inner import evaluate
+    from train.core.model import quiet_transformers
 
     quiet_transformers()
 

@@ -3,12 +3,13 @@
     python bench/inner_overhead.py [--model configs/tiny-llama.json] [--steps 30] [--repeats 5]
     python bench/inner_overhead.py --torchrun 2     # the same for a worker of 2 processes (gloo on CPU)
 
-ours: train.inner.InnerTrainer.train_steps fed by train.data.ShardSampler from the memory-mapped token cache (lr
+ours: train.core.inner.InnerTrainer.train_steps fed by train.core.data.ShardSampler from the memory-mapped token
+cache (lr
 schedule, grad clipping, loss bookkeeping, heartbeat callback). bare: the same forward / cross-entropy / backward /
 clip / AdamW step on batches preloaded in memory. Interleaved repetitions, median tokens/s; target ratio >= 0.97.
 Writes bench/results/inner_overhead.json.
 
---torchrun N: ours is a torchrun worker group (train/dist.py: DDP, each rank a slice of every step's batch via
+--torchrun N: ours is a torchrun worker group (train/core/dist.py: DDP, each rank a slice of every step's batch via
 RankBatches, group-mean loss); bare is N plain DDP processes on preloaded batches of the same per-rank size. Both
 run inside one `torchrun --nproc_per_node N` launch. Writes bench/results/inner_overhead_torchrun.json.
 """
@@ -72,11 +73,11 @@ def main() -> None:
     if args.torchrun:
         return group_bench(args)
 
-    from train.config import build_config
-    from train.data import ShardSampler, TokenData, prepare_data
-    from train.inner import InnerTrainer
-    from train.model import build_model, load_tokenizer
-    from train.worker import Heartbeat
+    from train.core.config import build_config
+    from train.core.data import ShardSampler, TokenData, prepare_data
+    from train.core.inner import InnerTrainer
+    from train.core.model import build_model, load_tokenizer
+    from train.diloco.worker import Heartbeat
 
     tmp = Path(tempfile.mkdtemp(prefix="edt-inner-"))
     cfg = build_config({"base_dir": str(tmp), "model": {"name": str(REPO / args.model)},
@@ -120,12 +121,12 @@ def group_bench(args) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from train.config import build_config
-    from train.data import ShardSampler, TokenData, prepare_data
-    from train.dist import RankBatches, broadcast_json, close_group, init_group
-    from train.inner import InnerTrainer
-    from train.model import build_model, load_tokenizer
-    from train.worker import Heartbeat
+    from train.core.config import build_config
+    from train.core.data import ShardSampler, TokenData, prepare_data
+    from train.core.dist import RankBatches, broadcast_json, close_group, init_group
+    from train.core.inner import InnerTrainer
+    from train.core.model import build_model, load_tokenizer
+    from train.diloco.worker import Heartbeat
 
     n = args.torchrun
     tmp = Path(tempfile.gettempdir()) / f"edt-inner-dist-{os.environ.get('TORCHELASTIC_RUN_ID', 'x')}"

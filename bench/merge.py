@@ -1,4 +1,4 @@
-"""Benchmark the streaming merge (train.merge_stream) against the naive in-memory merge, SmolLM2-135M-shaped.
+"""Benchmark the streaming merge (train.merge.stream) against the naive in-memory merge, SmolLM2-135M-shaped.
 
     python bench/merge.py [--repeats 2] [--methods slerp ties] [--threads N] [--small]
 
@@ -56,8 +56,8 @@ def _status(key: str) -> int:
 def worker(variant: str, method: str, root: Path, out: Path, threads: int) -> dict:
     import torch
     torch.set_num_threads(threads)
-    from train.merge_methods import Recipe, merge_state_dicts
-    from train.merge_stream import merge_model_dirs
+    from train.merge.methods import Recipe, merge_state_dicts
+    from train.merge.stream import merge_model_dirs
     if variant == "naive":
         from transformers import AutoModelForCausalLM
     (torch.randn(1000) * 2).sum()  # torch's thread pool and allocator are up before the baseline
@@ -99,7 +99,7 @@ def run_worker(variant: str, method: str, root: Path, threads: int) -> dict:
 
 def same_tensors(a: Path, b: Path) -> float:
     """Largest absolute difference between the tensors two output directories hold (tied names resolved)."""
-    from train.tensorio import load_tensors
+    from train.core.tensorio import load_tensors
     ta, tb = load_tensors(a / "model.safetensors"), load_tensors(b / "model.safetensors")
     return max(float((ta[k] - tb[k]).abs().max()) for k in ta)
 

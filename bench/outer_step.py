@@ -29,10 +29,10 @@ import torch
 def setup_round(root: Path, n: int, small: bool):
     """A BASE_DIR at round 1 (with outer momentum) and n published deltas, exactly as workers publish them."""
     from transformers import AutoModelForCausalLM
-    from train.config import build_config
-    from train.model import save_model_dir
-    from train.store import PROTOCOL_VERSION, RunPaths, atomic_write_json
-    from train.tensorio import save_streaming
+    from train.core.config import build_config
+    from train.core.model import save_model_dir
+    from train.core.store import PROTOCOL_VERSION, RunPaths, atomic_write_json
+    from train.core.tensorio import save_streaming
 
     cfg = build_config({"base_dir": str(root), "project_name": "bench", "outer": {"num_workers": n}})
     paths = RunPaths(cfg.run_dir)
@@ -40,7 +40,7 @@ def setup_round(root: Path, n: int, small: bool):
     model = AutoModelForCausalLM.from_config(smollm_config(small), dtype=torch.float32)
     save_model_dir(model, paths.global_dir(1))
     params = {k: v.detach() for k, v in model.named_parameters()}
-    from train.tensorio import read_header
+    from train.core.tensorio import read_header
     header, _ = read_header(paths.global_dir(1) / "model.safetensors")
     order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
     save_streaming(paths.outer_state(1), {k: torch.randn_like(params[k]) * 1e-3 for k in order})
@@ -67,7 +67,7 @@ def setup_round(root: Path, n: int, small: bool):
 
 
 def run_ours(cfg, paths, metas, n):
-    from train.coordinator import Coordinator
+    from train.diloco.coordinator import Coordinator
     co = Coordinator(cfg, progress=False)
     out = co.reduce(1, list(range(n)), metas)
     shutil.rmtree(paths.global_dir(2))

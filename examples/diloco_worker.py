@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import get_cosine_schedule_with_warmup
     from transformers.utils import logging as hf_logging
 
-    from train.diloco_optimizer import DiLoCoOptimizer
+    from train.diloco.optimizer import DiLoCoOptimizer
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)

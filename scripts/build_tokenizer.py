@@ -37,10 +37,11 @@ def build(corpus_dir: Path, out_dir: Path, vocab_size: int) -> None:
         unk_token=None, pad_token="<|pad|>", model_max_length=1 << 20)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
-    # The chat template (train/sft.py: plain-text <|user|>/<|assistant|> markers, no new tokens, so the vocabulary and
+    # The chat template (train/evomerge/sft.py: plain-text <|user|>/<|assistant|> markers, no new tokens, so the
+    # vocabulary and
     # every token cache stay as they are) goes into tokenizer_config.json, where every transformers version reads it.
     sys.path.insert(0, str(REPO))
-    from train.sft import DEFAULT_CHAT_TEMPLATE
+    from train.evomerge.sft import DEFAULT_CHAT_TEMPLATE
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = DEFAULT_CHAT_TEMPLATE

@@ -1,4 +1,5 @@
-"""Fine-tune the offline EvoMerge demo's parents: a base and one specialist per synthetic task (train/specialists.py).
+"""Fine-tune the offline EvoMerge demo's parents: a base and one specialist per synthetic task
+(train/evomerge/specialists.py).
 
     python scripts/make_specialists.py                          # -> runs/evomerge-models/{base,addition,reverse,sort}
     python scripts/make_specialists.py --out /tmp/m --fast      # a few steps: a smoke test, not good models
@@ -18,7 +19,7 @@ sys.path.insert(0, str(REPO))
 
 
 def main() -> None:
-    from train.tasks import TASKS
+    from train.evomerge.tasks import TASKS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "evomerge-models")
@@ -43,9 +44,9 @@ def main() -> None:
 
     import torch
 
-    from train.model import quiet_transformers
-    from train.specialists import make_specialists, markdown_table
-    from train.store import read_json
+    from train.core.model import quiet_transformers
+    from train.evomerge.specialists import make_specialists, markdown_table
+    from train.core.store import read_json
 
     if args.threads:
         torch.set_num_threads(args.threads)

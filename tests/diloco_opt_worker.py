@@ -1,5 +1,5 @@
 """One worker of tests/test_diloco_optimizer.py: a user's own training loop with DiLoCoOptimizer that does, step for
-step, what `python -m train.worker` does (train/worker.py, train/inner.py) for the same config.
+step, what `python -m train.diloco.worker` does (train/diloco/worker.py, train/core/inner.py) for the same config.
 
     python tests/diloco_opt_worker.py EVOLUTION_JSON WORKER BASE_DIR [--threads N]
 
@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train.config import load_config  # noqa: E402
-from train.data import ShardSampler, TokenData, find_data  # noqa: E402
-from train.diloco_optimizer import DiLoCoOptimizer  # noqa: E402
-from train.inner import lm_loss, lr_at  # noqa: E402
-from train.model import build_model, quiet_transformers  # noqa: E402
+from train.core.config import load_config  # noqa: E402
+from train.core.data import ShardSampler, TokenData, find_data  # noqa: E402
+from train.diloco.optimizer import DiLoCoOptimizer  # noqa: E402
+from train.core.inner import lm_loss, lr_at  # noqa: E402
+from train.core.model import build_model, quiet_transformers  # noqa: E402
 
 
 def main(config: str, worker: int, base_dir: str, threads: int = 1) -> None:

@@ -12,7 +12,7 @@ from conftest import REPO, TEST_THREADS
 
 # The programs that train (or start workers that do) and take `--threads N`: the simulators pass it on to their
 # workers (without it they pick cores / workers, which differs between machines).
-THREADED = {"diloco_sim.py", "edt_sim.py", "train.worker", "train.edt_worker", "diloco_opt_worker.py"}
+THREADED = {"diloco_sim.py", "edt_sim.py", "train.diloco.worker", "train.edt.worker", "diloco_opt_worker.py"}
 
 
 def with_threads(argv: list[str]) -> list[str]:

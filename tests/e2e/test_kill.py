@@ -1,0 +1,140 @@
+"""Crash safety: SIGKILL a worker mid-round, or the coordinator mid-commit; the same command finishes the run."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_config
+from helpers_proc import run_script, script_cmd, wait_until
+from train.core.config import build_config
+from train.diloco.coordinator import Coordinator
+from train.core.store import RunPaths, read_json, read_jsonl, verify_manifest
+from train.core.tensorio import load_tensors, save_streaming
+
+pytestmark = pytest.mark.slow
+
+
+def _progress(paths: RunPaths, w: int) -> dict:
+    try:
+        return read_json(paths.progress(w))
+    except (OSError, ValueError):
+        return {}
+
+
+def _check_finished(paths: RunPaths, rounds: int, workers: int, H: int, batch: int, seq: int) -> None:
+    from transformers import AutoModelForCausalLM
+    assert paths.latest_committed() == rounds
+    for r in paths.committed_rounds():
+        verify_manifest(paths.global_dir(r))
+    AutoModelForCausalLM.from_pretrained(str(paths.final))
+    recs = {r["round"]: r for r in read_jsonl(paths.metrics)}
+    # every delta counted once: no round trained twice into the model, no data replayed
+    assert recs[rounds]["tokens"] == rounds * workers * H * batch * seq
+
+
+def test_sigkill_worker_mid_round_then_rerun_finishes(write_config, tmp_path):
+    cfg = write_config(outer={"rounds": 3, "local_steps": 400})  # rounds of a few seconds: room to aim
+    paths = RunPaths(tmp_path / "runs" / "t")
+    cmd = script_cmd("diloco_sim.py", "--config", str(cfg))
+    sim = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        wait_until(lambda: _progress(paths, 1).get("round", -1) >= 1 and _progress(paths, 1).get("status") ==
+                   "training" and _progress(paths, 1).get("step", 0) >= 3, 240, "worker 1 training in round 1", sim)
+        os.kill(_progress(paths, 1)["pid"], signal.SIGKILL)
+        out, _ = sim.communicate(timeout=120)
+    finally:
+        if sim.poll() is None:
+            sim.kill()
+    assert sim.returncode == 1, out
+    assert "worker 1" in out and "killed by signal 9" in out and "run the same command again" in out
+    state = read_json(paths.worker_state(1))
+    assert state["round_done"] == 0  # died mid round 1: its resume point is the end of round 0
+
+    out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "resumed worker state: last round done 0" in paths.worker_log(1).read_text()
+    _check_finished(paths, 3, 2, 400, 8, 32)
+
+
+def test_sigkill_simulator_at_random_moments_then_rerun_finishes(write_config, tmp_path):
+    """The simulator hosts the coordinator: kill it (workers die with it) at random points, several times."""
+    cfg = write_config(outer={"rounds": 6, "local_steps": 4, "keep_rounds": 1})
+    paths = RunPaths(tmp_path / "runs" / "t")
+    cmd = script_cmd("diloco_sim.py", "--config", str(cfg))
+    rng = random.Random(0)
+    kills = 0
+    for _ in range(3):
+        sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        start = paths.latest_committed() or 0
+        try:
+            wait_until(lambda: (paths.latest_committed() or 0) > start, 240, "a new commit", sim)
+            time.sleep(rng.uniform(0.0, 1.5))
+        except AssertionError:
+            pass
+        if sim.poll() is None:
+            sim.send_signal(signal.SIGKILL)
+            kills += 1
+        sim.wait(30)
+        if paths.latest_committed() == 6:
+            break
+    assert kills >= 1
+    # the workers died with the simulator: none holds its lock any more
+    time.sleep(1)
+    out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    _check_finished(paths, 6, 2, 4, 8, 32)
+
+
+def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_identically(tmp_path, monkeypatch):
+    """Deterministic version of a crash inside the commit: the reduce dies after writing some tensors."""
+    import train.diloco.coordinator as co_mod
+
+    cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000}))
+    co = Coordinator(cfg, progress=False)
+    co.setup()
+    paths = co.paths
+    theta = load_tensors(paths.global_dir(0) / "model.safetensors")
+    from train.core.store import PROTOCOL_VERSION, atomic_write_json
+    for w in (0, 1):
+        d = {k: torch.full_like(v, 0.01 * (w + 1)) for k, v in theta.items()}
+        sha = save_streaming(paths.delta_file(0, w), d)
+        atomic_write_json(paths.delta_meta(0, w), {"protocol": PROTOCOL_VERSION, "round": 0, "worker": w,
+                                                   "inner_steps": 5, "tokens": 100, "loss": 1.0, "sha256": sha,
+                                                   "bytes": paths.delta_file(0, w).stat().st_size})
+    real = co_mod.outer_step_tensor
+    calls = {"n": 0}
+
+    def dying(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt("simulated crash mid-commit")
+        return real(*a, **k)
+
+    monkeypatch.setattr(co_mod, "outer_step_tensor", dying)
+    with pytest.raises(KeyboardInterrupt):
+        co.run_round(0)
+    assert paths.latest_committed() == 0 and not paths.committed(1).exists()
+    assert not paths.global_dir(1).exists()
+    monkeypatch.setattr(co_mod, "outer_step_tensor", real)
+    co.close()  # the crashed coordinator's process is gone, and its lock with it
+
+    # A commit that wrote everything but the marker (killed just before it) is redone too.
+    co2 = Coordinator(cfg, progress=False)
+    co2.setup()
+    co2.run_round(0)
+    first = load_tensors(paths.global_dir(1) / "model.safetensors")
+    paths.committed(1).unlink()
+    co2.close()
+    co3 = Coordinator(cfg, progress=False)
+    co3.setup()
+    co3.run_round(0)
+    again = load_tensors(paths.global_dir(1) / "model.safetensors")
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    verify_manifest(paths.global_dir(1))
+    assert not list(paths.rounds.rglob(".*tmp*"))

@@ -1,0 +1,132 @@
+"""Every user error is one line and exit 2, never a traceback, and nothing of a run is written (issue #11)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.core.config import load_config
+from train.core.errors import ConfigError, EnvironmentProblem, NotFound, UserError, run_main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_script(*args: str, cwd: Path = REPO, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if " ERROR " in ln or ln.startswith("error:")]
+    assert len(errors) == 1, p.stderr[-2000:]
+    for n in needles:
+        assert n in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("script", ["diloco_sim.py", "edt_sim.py", "diloco.py", "edt.py"])
+def test_base_dir_under_a_file_is_one_line(tmp_path, script):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    p = run_script(script, "--fake-data", "--base-dir", str(f / "sub"), "--no-progress")
+    assert_one_line_error(p, "base_dir", str(f), "is a file")
+    assert f.read_text() == "x"
+
+
+def test_cuda_without_cuda_fails_before_any_process(tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    p = run_script("diloco_sim.py", "--fake-data", "--device", "cuda", "--base-dir", str(tmp_path / "runs"))
+    assert_one_line_error(p, "inner.device = 'cuda'", "auto or cpu")
+    assert not (tmp_path / "runs").exists()  # failed before the run folder was made
+
+
+def test_seq_length_beyond_the_model_is_refused_before_the_run_identity(tmp_path):
+    p = run_script("diloco.py", "--fake-data", "--base-dir", str(tmp_path), "--no-progress",
+                   "--set", "data.seq_length=4096")
+    assert_one_line_error(p, "data.seq_length = 4096", "max_position_embeddings = 512")
+    assert not (tmp_path / "diloco-shakespeare" / "run.json").exists()
+
+
+def test_preflight_names_the_missing_package_and_the_fitness_plugin(tmp_path):
+    from train.launch.cli import preflight
+
+    cfg = load_config(REPO / "evolution.json", [f"base_dir={tmp_path}", 'logging.metrics="wandb"'])
+    import importlib.util
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(EnvironmentProblem, match="pip install wandb"):
+            preflight(cfg)
+    cfg = load_config(REPO / "evolution.json", [f"base_dir={tmp_path}", 'edt.fitness="nosuch_mod_xyz:score"'])
+    with pytest.raises(ConfigError, match="edt.fitness = 'nosuch_mod_xyz:score': cannot import it"):
+        preflight(cfg, "edt")
+
+
+def test_hub_model_unreachable_is_a_user_error(tmp_path):
+    from train.core.model import build_model
+
+    cfg = load_config(REPO / "evolution.json", [f"base_dir={tmp_path}", 'model.name="nobody-xyz/no-such-model"',
+                                                'model.tokenizer=""'])
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        with pytest.raises(UserError, match="could not load model 'nobody-xyz/no-such-model'.*--local-dir") as ei:
+            build_model(cfg)
+    finally:
+        os.environ.pop("HF_HUB_OFFLINE", None)
+    assert "\n" not in str(ei.value)
+
+
+def test_hub_dataset_unreachable_is_a_user_error(tmp_path):
+    from train.core.data import iter_texts as iter_texts
+
+    cfg = load_config(REPO / "evolution.json", [f"base_dir={tmp_path}", 'data.dataset="nobody-xyz/no-such-data"'])
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        with pytest.raises(UserError, match="could not open dataset 'nobody-xyz/no-such-data'"):
+            next(iter(iter_texts(cfg)))
+    finally:
+        os.environ.pop("HF_DATASETS_OFFLINE", None)
+        os.environ.pop("HF_HUB_OFFLINE", None)
+
+
+def test_missing_local_files_are_not_found_user_errors(tmp_path):
+    from train.core.model import model_source
+
+    cfg = load_config(REPO / "evolution.json", [f"base_dir={tmp_path}", f'model.name="{tmp_path}/nope.json"'])
+    with pytest.raises(NotFound, match="no such file or directory"):
+        model_source(cfg)
+
+
+def test_run_main_contract(capsys, monkeypatch):
+    def user():
+        raise ConfigError("evolution.json: outer.lr = -1: must be > 0\nsecond line")
+
+    with pytest.raises(SystemExit) as ei:
+        run_main(user, "t")
+    assert ei.value.code == 2
+
+    def os_err():
+        raise NotADirectoryError(20, "Not a directory", "/x/y")
+
+    with pytest.raises(SystemExit) as ei:
+        run_main(os_err, "t")
+    assert ei.value.code == 2
+
+    def bug():
+        raise KeyError("a bug keeps its traceback")
+
+    with pytest.raises(KeyError):
+        run_main(bug, "t")
+
+    monkeypatch.setenv("RANK", "1")  # a torchrun rank > 0: quiet about the error rank 0 prints, lost peers in a line
+
+    def lost_peer():
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")
+
+    with pytest.raises(SystemExit) as ei:
+        run_main(lost_peer, "t")
+    assert ei.value.code == 1

@@ -1,0 +1,134 @@
+"""One error contract for every entry point.
+
+Every error a user can cause and fix (a config value, a missing file, an unreachable hub, a device that is not
+there, a package that is not installed) is a `UserError`: its message names the file / field / host, the value and
+what to do, and `run_main` prints it as one line and exits 2. Anything else is a bug and keeps its traceback.
+
+    from train.core.errors import run_main
+    if __name__ == "__main__":
+        run_main(main, "diloco_sim")
+
+Set `EDT_TRACEBACK=1` to see the traceback of a user error too (e.g. when reporting a bug in a message).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Callable
+
+EXIT_USER_ERROR = 2
+EXIT_WORKER_DIED = 1
+EXIT_INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """Base of every error the user can fix; printed as one line, exit 2."""
+
+
+class ConfigError(UserError, ValueError):
+    """A bad value in evolution.json / machines.json / an override (names the file and the field)."""
+
+
+class ProtocolError(UserError, RuntimeError):
+    """BASE_DIR holds something this run cannot use (another protocol version, another run's identity, a bad file)."""
+
+
+class MergeError(UserError, ValueError):
+    """Models that cannot be merged (architecture, shapes, names, vocabulary) or a recipe that cannot be applied."""
+
+
+class NotFound(UserError, FileNotFoundError):
+    """A file, folder, model or dataset that the config names does not exist."""
+
+
+class DataError(UserError, ValueError):
+    """A dataset or tokenizer that cannot be used: unreachable hub, unsupported files, too little text."""
+
+
+class ModelError(UserError, ValueError):
+    """A model that cannot be built or loaded: unreachable hub, a directory without weights, mismatched tensors."""
+
+
+class EnvironmentProblem(UserError, RuntimeError):
+    """The machine lacks what the config asks for: a CUDA device, an optional package, a writable directory."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker process exited before the run finished (exit 1: rerun the same command to resume)."""
+
+
+def missing_package(package: str, purpose: str, extra: str | None = None) -> EnvironmentProblem:
+    """The error for an optional dependency that is not installed, with the command that installs it."""
+    how = f"pip install 'edt[{extra}]'" if extra else f"pip install {package}"
+    return EnvironmentProblem(f"{purpose} needs the package {package!r}, which is not installed: {how}")
+
+
+def setup_logging(name: str, level: int = logging.INFO) -> logging.Logger:
+    """One stderr handler for the process (the simulator and the launcher send each process's stderr to its log)."""
+    root = logging.getLogger()
+    if not any(getattr(h, "_edt", False) for h in root.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+        h._edt = True  # type: ignore[attr-defined]
+        root.addHandler(h)
+        root.setLevel(level)
+    return logging.getLogger(name)
+
+
+def _is_secondary_rank() -> bool:
+    """Inside a torchrun group, ranks > 0 stay quiet about errors rank 0 reports too (same config, same message)."""
+    try:
+        return int(os.environ.get("RANK", "0")) > 0
+    except ValueError:
+        return False
+
+
+def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO) -> None:
+    """Run an entry point's body: a `UserError` prints one line (exit 2), a dead worker exit 1, Ctrl-C exit 130.
+
+    An `OSError` naming a path (a `base_dir` under a file, a read-only disk, no space left) is the user's
+    machine, not a bug: one line too. In a torchrun group, ranks > 0 print nothing for an error rank 0 also
+    reports, and a rank that loses its peers because another rank exited says so in one line.
+    """
+    secondary = _is_secondary_rank()
+    log = setup_logging(name, logging.ERROR if secondary else level)
+    if secondary:
+        import warnings
+        warnings.simplefilter("ignore")  # rank 0 prints each warning once for the whole group
+    show_tb = os.environ.get("EDT_TRACEBACK", "") not in ("", "0")
+    try:
+        code = fn() or 0
+    except UserError as e:
+        if show_tb:
+            raise
+        if not secondary:
+            log.error("%s", " ".join(str(e).split("\n")))
+        code = EXIT_USER_ERROR
+    except OSError as e:
+        if show_tb or not getattr(e, "filename", None):
+            raise
+        log.error("%s: %s (check that the path exists, is a directory where one is expected, is writable and "
+                  "the disk has space)", e.filename, e.strerror or e)
+        code = EXIT_USER_ERROR
+    except WorkerDied as e:
+        log.error("%s", e)
+        code = EXIT_WORKER_DIED
+    except KeyboardInterrupt:
+        log.warning("interrupted: every child process was stopped; run the same command to resume")
+        code = EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001  (a peer rank's exit is not this rank's bug)
+        if secondary and _is_lost_peer(e):
+            log.error("rank %s: lost its process group (another rank exited; its log has the reason)",
+                      os.environ.get("RANK"))
+            code = EXIT_WORKER_DIED
+        else:
+            raise
+    sys.exit(code)
+
+
+def _is_lost_peer(e: BaseException) -> bool:
+    """A collective failed because a peer went away (gloo/NCCL report this as RuntimeError subclasses)."""
+    text = f"{type(e).__name__}: {e}".lower()
+    return any(s in text for s in ("distbackenderror", "connection closed by peer", "connection reset by peer",
+                                   "broken pipe", "nccl", "gloo", "socket timeout", "timed out"))

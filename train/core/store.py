@@ -1,0 +1,324 @@
+"""The BASE_DIR protocol: where every file lives, atomic writes, manifests, commit markers and polling.
+
+Layout of one run (all under BASE_DIR/<project_name>/):
+
+    run.json                       protocol version, run identity (refused if it changes), creation time
+    config.json                    the effective configuration of the latest start
+    metrics.jsonl                  one JSON line per round (coordinator)
+    loss.png                       train / eval loss against tokens (written at the end)
+    logs/coordinator.log, logs/worker-000.log, ...
+    data/<key>/tokens.bin + meta.json      token cache shared by every worker (memory-mapped)
+    rounds/r000003/global/         HF model directory of the global model θ_3 (+ MANIFEST.json)
+    rounds/r000003/outer_state.safetensors  outer momentum after the step that produced θ_3
+    rounds/r000003/deltas/w000.safetensors + w000.json   pseudo-gradients computed from θ_3
+    rounds/r000003/COMMITTED       atomic marker: θ_3 is complete; readers trust nothing without it
+    workers/w000/state.json + opt-r000003.safetensors     inner optimizer state and data position
+    workers/w000/progress.json     heartbeat: inner step, loss, pid (for progress bars and `status`)
+    final/                         the final model + tokenizer (from_pretrained-loadable)
+
+Invariants: files another process reads appear atomically (temp name in the same folder, fsync, os.replace);
+a directory is complete only with its MANIFEST.json; a round is committed only by its COMMITTED marker.
+Only safetensors and JSON are read from the shared disk; nothing is unpickled.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from train.core.errors import ProtocolError  # noqa: F401  (raised here)
+
+PROTOCOL_VERSION = 1
+
+
+def exclusive_lock(path: str | os.PathLike, what: str):
+    """Hold an exclusive flock on `path` (NFSv4 maps it to a byte-range lock) until the returned file is closed or
+    the process exits: one live process per role (`what`, e.g. "worker 3", "the coordinator"). The holder's pid and
+    host are written into the file for the error message of the next one."""
+    import fcntl
+    import socket
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "pid ?"
+        f.close()
+        raise ProtocolError(f"{what} is already running ({holder}, lock {path}); stop it first") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.flush()
+    return f
+
+
+# -- atomic files ---------------------------------------------------------------------------------------------------
+def tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> None:
+    """Create `path` atomically: `write(fileobj)` fills a temp file in the same folder, then fsync + os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True) + "\n"), mode="w")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- manifests ------------------------------------------------------------------------------------------------------
+MANIFEST = "MANIFEST.json"
+
+
+def write_manifest(folder: str | os.PathLike, hashes: dict[str, str] | None = None) -> dict:
+    """Write MANIFEST.json listing every file of `folder` with size and sha256 (last: it marks completeness)."""
+    folder = Path(folder)
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith("."):
+            rel = str(p.relative_to(folder))
+            files[rel] = {"bytes": p.stat().st_size,
+                          "sha256": (hashes or {}).get(rel) or sha256_file(p)}
+    manifest = {"protocol": PROTOCOL_VERSION, "files": files}
+    atomic_write_json(folder / MANIFEST, manifest)
+    return manifest
+
+
+def verify_manifest(folder: str | os.PathLike, check_hashes: bool = True) -> dict:
+    """Raise ProtocolError unless `folder` has a manifest whose files all exist with the recorded size/hash."""
+    folder = Path(folder)
+    mpath = folder / MANIFEST
+    if not mpath.is_file():
+        raise ProtocolError(f"{folder}: incomplete (no {MANIFEST})")
+    manifest = read_json(mpath)
+    for rel, info in manifest["files"].items():
+        p = folder / rel
+        if not p.is_file() or p.stat().st_size != info["bytes"]:
+            raise ProtocolError(f"{p}: missing or wrong size (manifest says {info['bytes']} bytes)")
+        if check_hashes and sha256_file(p) != info["sha256"]:
+            raise ProtocolError(f"{p}: sha256 differs from the manifest (corrupt or modified)")
+    return manifest
+
+
+def atomic_publish_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Move a fully written temp directory into place. A stale `final_dir` (never committed) is replaced."""
+    fsync_dir(tmp_dir)
+    if final_dir.exists():
+        trash = final_dir.with_name(f".{final_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(final_dir, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+
+
+def new_tmp_dir(final_dir: Path) -> Path:
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final_dir.with_name(f".{final_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    return tmp
+
+
+# -- the run's paths ------------------------------------------------------------------------------------------------
+def prepare_run_dir(run_dir: str | os.PathLike, source: str = "the config") -> Path:
+    """Create BASE_DIR/<project>; a base_dir that is a file, lies under a file or cannot be written is a ConfigError."""
+    from train.core.errors import ConfigError
+
+    run_dir = Path(run_dir)
+    for p in [run_dir, *run_dir.parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"{source}: base_dir: {p} is a file, not a folder; set base_dir (or --base-dir) to a "
+                                  f"folder on the shared disk (it is created if missing)")
+            break
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{source}: base_dir: cannot write in {run_dir} ({e.strerror or e}); set base_dir to a "
+                          f"writable folder on the shared disk") from None
+    return run_dir
+
+
+class RunPaths:
+    """Every path of the BASE_DIR protocol for one run, in one place."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.root = Path(run_dir)
+
+    run_json = property(lambda self: self.root / "run.json")
+    config_json = property(lambda self: self.root / "config.json")
+    metrics = property(lambda self: self.root / "metrics.jsonl")
+    plot = property(lambda self: self.root / "loss.png")
+    logs = property(lambda self: self.root / "logs")
+    data = property(lambda self: self.root / "data")
+    final = property(lambda self: self.root / "final")
+    rounds = property(lambda self: self.root / "rounds")
+
+    def round_dir(self, r: int) -> Path:
+        return self.rounds / f"r{r:06d}"
+
+    def global_dir(self, r: int) -> Path:
+        return self.round_dir(r) / "global"
+
+    def outer_state(self, r: int) -> Path:
+        return self.round_dir(r) / "outer_state.safetensors"
+
+    def committed(self, r: int) -> Path:
+        return self.round_dir(r) / "COMMITTED"
+
+    def deltas_dir(self, r: int) -> Path:
+        return self.round_dir(r) / "deltas"
+
+    def delta_file(self, r: int, w: int) -> Path:
+        return self.deltas_dir(r) / f"w{w:03d}.safetensors"
+
+    def delta_meta(self, r: int, w: int) -> Path:
+        return self.deltas_dir(r) / f"w{w:03d}.json"
+
+    def worker_dir(self, w: int) -> Path:
+        return self.root / "workers" / f"w{w:03d}"
+
+    def worker_state(self, w: int) -> Path:
+        return self.worker_dir(w) / "state.json"
+
+    def worker_opt(self, w: int, r: int) -> Path:
+        return self.worker_dir(w) / f"opt-r{r:06d}.safetensors"
+
+    def worker_pending_delta(self, w: int, r: int) -> Path:
+        return self.worker_dir(w) / f"delta-r{r:06d}.safetensors"
+
+    def progress(self, w: int) -> Path:
+        return self.worker_dir(w) / "progress.json"
+
+    def worker_log(self, w: int) -> Path:
+        return self.logs / f"worker-{w:03d}.log"
+
+    # -- committed state --------------------------------------------------------------------------------------------
+    def committed_rounds(self) -> list[int]:
+        if not self.rounds.is_dir():
+            return []
+        out = []
+        for d in self.rounds.iterdir():
+            if d.name.startswith("r") and d.name[1:].isdigit() and (d / "COMMITTED").is_file():
+                out.append(int(d.name[1:]))
+        return sorted(out)
+
+    def latest_committed(self) -> int | None:
+        rs = self.committed_rounds()
+        return rs[-1] if rs else None
+
+
+# -- run identity ---------------------------------------------------------------------------------------------------
+def ensure_run_manifest(paths: RunPaths, identity: dict) -> dict:
+    """Create run.json, or check that an existing run has our protocol version and the same identity."""
+    if paths.run_json.is_file():
+        run = read_json(paths.run_json)
+        if run.get("protocol") != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"{paths.run_json}: this run was written with BASE_DIR protocol version {run.get('protocol')}, "
+                f"this code speaks version {PROTOCOL_VERSION}. Use the matching code version, or start a new run "
+                f"(another project_name).")
+        old = run.get("identity", {})
+        changed = {k: (old.get(k), v) for k, v in identity.items() if k in old and old.get(k) != v}
+        if changed:
+            lines = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            raise ProtocolError(
+                f"{paths.root}: an existing run with a different setup ({lines}). Resuming it with these changes "
+                f"would mix incompatible state: restore the old values, or use another project_name.")
+        return run
+    run = {"protocol": PROTOCOL_VERSION, "identity": identity, "created": time.time()}
+    atomic_write_json(paths.run_json, run)
+    return run
+
+
+# -- polling --------------------------------------------------------------------------------------------------------
+def wait_for(predicate: Callable[[], Any], timeout: float | None, poll: float,
+             on_poll: Callable[[], None] | None = None) -> Any:
+    """Poll `predicate` until it returns something truthy (returned) or `timeout` seconds pass (returns None)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if on_poll:
+            on_poll()
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(poll)
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """Append one line (a single write of a whole line; only the coordinator appends to a given file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record, sort_keys=True) + "\n"
+    with open(path, "a+b") as f:
+        if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+            line = "\n" + line  # a crash tore the last line: never glue the next record onto it
+        f.write(line.encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Read a jsonl file, skipping a torn last line (a crash mid-append)."""
+    out = []
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

@@ -1,0 +1,259 @@
+"""Streaming safetensors I/O: read tensor by tensor (mmap), write tensor by tensor with O(one tensor) memory.
+
+The writer knows every name, dtype and shape up front, so it writes the safetensors header first and then each
+tensor's bytes in order; the file appears atomically (temp name + fsync + os.replace) and its sha256 is computed
+on the fly, so publishing a 500 MB delta never holds two copies of it and never re-reads it to hash it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from train.core.store import tmp_name, fsync_dir
+
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Background:
+    """Run callables in order on one background thread (hashing / writing overlap the caller's compute:
+    hashlib and file writes release the GIL). `drain()` waits and re-raises the first error."""
+
+    def __init__(self, depth: int = 8):
+        import queue
+        import threading
+
+        self._q: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._err: BaseException | None = None
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if self._err is None:
+                try:
+                    job()
+                except BaseException as e:  # surfaced by drain()
+                    self._err = e
+
+    def submit(self, job) -> None:
+        if self._err is not None:
+            raise self._err
+        self._q.put(job)
+
+    def drain(self) -> None:
+        self._q.put(None)
+        self._t.join()
+        if self._err is not None:
+            raise self._err
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw little-endian bytes of a CPU tensor without a copy (bf16 viewed as bytes)."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")  # 0-d too
+
+
+class StreamingWriter:
+    """Write a safetensors file tensor by tensor, in the order of `specs`.
+
+    with StreamingWriter(path, {"w": (torch.float32, (4, 4))}, metadata={...}) as w:
+        w.write("w", tensor)
+    """
+
+    def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.specs = dict(specs)
+        self.order = list(specs)
+        header: dict = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        offset = 0
+        for name in self.order:
+            dtype, shape = self.specs[name]
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format aligns the data section to 8 bytes
+        self._header = struct.pack("<Q", len(raw)) + raw
+        self.nbytes = len(self._header) + offset
+        self._next = 0
+        self._hash = hashlib.sha256()
+
+    def __enter__(self) -> "StreamingWriter":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = tmp_name(self.path)
+        self._f = open(self._tmp, "wb")
+        self._unsynced = 0
+        self._bg = _Background()
+        self._emit(self._header)
+        return self
+
+    SYNC_EVERY = 64 << 20  # flush to disk as we go, so the final fsync has little left to wait for
+
+    def _emit(self, data, keepalive=None) -> None:
+        def job(data=data, keepalive=keepalive):  # keepalive: the tensor that owns `data`'s memory
+            self._f.write(data)
+            self._hash.update(data)
+            self._unsynced += len(data)
+            if self._unsynced >= self.SYNC_EVERY:
+                self._f.flush()
+                os.fdatasync(self._f.fileno())
+                self._unsynced = 0
+        self._bg.submit(job)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        """Queue `t` for writing; it is written (and hashed) in the background, so do not modify it in place
+        before the writer is closed."""
+        expected = self.order[self._next] if self._next < len(self.order) else None
+        if name != expected:
+            raise ValueError(f"{self.path.name}: expected tensor {expected!r} next, got {name!r}")
+        dtype, shape = self.specs[name]
+        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{self.path.name}: {name}: got {t.dtype}{tuple(t.shape)}, declared {dtype}{shape}")
+        t = t.detach().to("cpu").contiguous()
+        self._emit(tensor_bytes(t), keepalive=t)
+        self._next += 1
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._bg.drain()
+            if exc_type is None:
+                if self._next != len(self.order):
+                    raise ValueError(f"{self.path.name}: only {self._next}/{len(self.order)} tensors written")
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            self._f.close()
+            if exc_type is None:
+                os.replace(self._tmp, self.path)
+                fsync_dir(self.path.parent)
+        finally:
+            self._f.close()  # also when we raise above (e.g. too few tensors): no leaked handle
+            if self._tmp.exists():
+                self._tmp.unlink()
+
+
+def save_streaming(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                   metadata: dict[str, str] | None = None) -> str:
+    """Atomically save a dict of tensors; returns the file's sha256."""
+    specs = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+    with StreamingWriter(path, specs, metadata) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+    return w.sha256
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], dict[str, str]]:
+    """(tensors {name: {dtype, shape, data_offsets}}, metadata) from a safetensors header, validating its bounds."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: too short to be safetensors")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 << 20):
+            raise ValueError(f"{path}: header length {n} exceeds the file")
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", {}) or {}
+    return header, meta
+
+
+def iter_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time from a safetensors file (memory-mapped)."""
+    with safe_open(str(path), framework="pt") as f:
+        for name in (names if names is not None else f.keys()):
+            yield name, f.get_tensor(name)
+
+
+def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    return dict(iter_tensors(path))
+
+
+TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+
+
+class SequentialReader:
+    """Read a safetensors file front to back, tensor by tensor, hashing every byte on the way.
+
+    One pass over the file gives both the tensors and the sha256 that the sidecar promised, so validating a
+    delta costs no second read. Tensors must be requested in file order (`names_in_order`).
+    """
+
+    def __init__(self, path: str | os.PathLike, hash_bytes: bool = True):
+        self.path = Path(path)
+        self.header, self.metadata = read_header(self.path)
+        self._f = open(self.path, "rb")
+        self._hash = hashlib.sha256() if hash_bytes else None
+        head = self._f.read(8)
+        (n,) = struct.unpack("<Q", head)
+        raw = self._f.read(n)
+        if self._hash:
+            self._hash.update(head)
+            self._hash.update(raw)
+        self._base = 8 + n
+        self._pos = 0
+        self._bg = _Background() if hash_bytes else None
+
+    @property
+    def names_in_order(self) -> list[str]:
+        return sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0])
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return TORCH_DTYPES[self.header[name]["dtype"]]
+
+    def read(self, name: str) -> torch.Tensor:
+        """The next tensor (its memory is hashed in the background: treat it as read-only)."""
+        info = self.header[name]
+        start, end = info["data_offsets"]
+        if start != self._pos:
+            if self._hash is not None:  # the hash needs every byte in order
+                raise ValueError(f"{self.path}: tensor {name!r} is not next in file order")
+            self._f.seek(self._base + start)
+        buf = bytearray(end - start)
+        got = self._f.readinto(buf)
+        if got != len(buf):
+            raise ValueError(f"{self.path}: truncated inside tensor {name!r}")
+        if self._bg is not None:
+            self._bg.submit(lambda b=buf: self._hash.update(b))  # hashed while the caller computes
+        self._pos = end
+        dtype = TORCH_DTYPES[info["dtype"]]
+        if not buf:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+
+    def finish(self) -> str | None:
+        """Hash whatever follows the last tensor; return the file's sha256 (None if not hashing)."""
+        while chunk := self._f.read(1 << 22):
+            if self._bg is not None:
+                self._bg.submit(lambda b=chunk: self._hash.update(b))
+        self._f.close()
+        if self._bg is None:
+            return None
+        bg, self._bg = self._bg, None
+        bg.drain()
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        self._f.close()
+        if self._bg is not None:
+            bg, self._bg = self._bg, None
+            bg.drain()

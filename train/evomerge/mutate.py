@@ -1,0 +1,81 @@
+"""EvoMerge on a worker: mutation by SFT on the DNA's data mix, then fitness by task evaluation.
+
+One job (a merged child, or a fine-tune of generation 0):
+  1. SFT: `steps` AdamW steps (full fine-tuning, or LoRA merged back when evomerge.lora is set) on batches drawn
+     from evomerge.datasets with the DNA's mix weights, at the DNA's learning rate (warmup + cosine inside the
+     mutation); the member slot's sample position continues across generations, so nothing is replayed.
+  2. Fitness: every member is scored on the SAME fixed held-out items of each task in evomerge.tasks (greedy
+     exact match, held-out SFT loss, or a user function); `eval_loss` is the held-out SFT loss on the answers of
+     all tasks' items (what `edt.fitness = inverse_loss` ranks by).
+Items come from the eval split (disjoint from training by construction, train/evomerge/tasks.py) with the run's seed.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from train.core.config import RunConfig
+from train.evomerge.sft import SFTMixture, ensure_chat_template, train_sft
+from train.evomerge.task_eval import TaskSpec, eval_sft_loss, evaluate_tasks, fixed_items
+from train.evomerge.tasks import load_items
+
+
+def load_sft_tokenizer(cfg: RunConfig):
+    """model.tokenizer when set, else the first fine-tune's own tokenizer; with a chat template."""
+    from transformers import AutoTokenizer
+
+    from train.evomerge.breeding import local_model_dir
+    from train.core.model import load_tokenizer
+
+    if cfg.model.tokenizer:
+        tok = load_tokenizer(cfg)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(local_model_dir(cfg, cfg.edt.initial_population[0])),
+                                            trust_remote_code=cfg.model.trust_remote_code)
+    return ensure_chat_template(tok)
+
+
+def task_specs(cfg: RunConfig) -> list[TaskSpec]:
+    em = cfg.evomerge
+    return [TaskSpec(name=t["name"], data=t["data"], metric=t.get("metric", "exact_match"),
+                     weight=float(t.get("weight", 1.0)), items=int(t.get("items", 64)),
+                     max_new_tokens=em.max_new_tokens, max_length=em.max_length) for t in em.tasks]
+
+
+class EvoMergeMutation:
+    """The worker's mutation + evaluation in evomerge mode (the counterpart of edt_worker.PretrainMutation)."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device):
+        em = cfg.evomerge
+        self.cfg, self.device = cfg, device
+        self.tokenizer = load_sft_tokenizer(cfg)
+        self.sources = {name: load_items(src, em.sft_items, "train", cfg.seed) for name, src in em.datasets.items()}
+        self.specs = task_specs(cfg)
+        self.items = fixed_items(self.specs, cfg.seed)  # the same held-out items for every member, loaded once
+        # eval_loss: the answers of every task's held-out items (what edt.fitness = inverse_loss ranks by)
+        self.loss_items = [it for s in self.specs for it in self.items[s.name]]
+
+    def __call__(self, model, job: dict, g: int, m: int, on_step, tmp) -> dict:
+        cfg, em = self.cfg, self.cfg.evomerge
+        steps, hyper = int(job["steps"]), job["hyper"]
+        position = int(job["position"].get("sft", 0))
+        stats = {"train_loss": None, "tokens": 0, "seconds": 0.0, "position": position}
+        if steps:
+            mixture = SFTMixture(self.sources, hyper["mix"], self.tokenizer, em.max_length,
+                                 seed=cfg.seed * 1_000_003 + m, position=position)
+            stats = train_sft(model, mixture, steps, float(hyper["inner_lr"]),
+                              batch_size=cfg.inner.per_device_batch_size,
+                              warmup=min(cfg.inner.warmup_steps, steps // 5), min_lr_ratio=cfg.inner.min_lr_ratio,
+                              weight_decay=cfg.inner.weight_decay, grad_clip=cfg.inner.grad_clip, device=self.device,
+                              precision=cfg.inner.precision, lora=em.lora or None, on_step=on_step)
+        t0 = time.perf_counter()
+        model.eval()
+        ev = evaluate_tasks(model, self.tokenizer, self.specs, seed=cfg.seed, batch_size=cfg.eval.batch_size,
+                            items=self.items)
+        eval_loss = eval_sft_loss(model, self.tokenizer, self.loss_items, batch_size=cfg.eval.batch_size,
+                                  max_length=em.max_length)
+        return {"eval_loss": eval_loss, "train_loss": stats["train_loss"], "tokens": stats["tokens"],
+                "position": {"sft": stats["position"]}, "scores": ev["scores"], "task_fitness": ev["fitness"],
+                "train_seconds": stats["seconds"], "eval_seconds": time.perf_counter() - t0,
+                "bytes_read": 0, "bytes_written": 0}

@@ -1,0 +1,125 @@
+"""The delta exchange of a DiLoCo round on BASE_DIR: what a worker writes (delta + sidecar), how the reducer checks
+it, and the round record that commits it. One writer for the worker process (train/diloco/worker.py) and the in-loop
+`DiLoCoOptimizer` (train/diloco/optimizer.py), next to the reader that checks what they wrote (train/exchange/reduce.py
+streams the accepted deltas).
+
+A delta of round r by worker w: `rounds/r/deltas/w<w>.safetensors` (Δ_w = θ_r − θ_w in the global file's tensor
+order, in the run's delta dtype), published by an atomic rename, then its sidecar `w<w>.json` (atomic) which marks it
+complete. The sidecar carries the protocol version, round, worker, inner steps, tokens, losses, sha256 and size.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from train.core.model import WEIGHTS
+from train.core.store import PROTOCOL_VERSION, RunPaths, atomic_write_json, read_json
+from train.core.tensorio import DTYPE_BY_NAME, StreamingWriter, read_header
+
+# every sidecar has these; the reducer refuses one that lacks any
+SIDECAR_REQUIRED = ("round", "worker", "tokens", "sha256", "bytes", "inner_steps", "loss")
+
+
+class RejectedDelta(Exception):
+    def __init__(self, worker: int, reason: str):
+        super().__init__(f"w{worker:03d}: {reason}")
+        self.worker, self.reason = worker, reason
+
+
+@torch.no_grad()
+def write_delta(path: Path, names: list[str], theta_r: Mapping[str, torch.Tensor],
+                params: Mapping[str, torch.Tensor], delta_dtype: str, r: int, w: int) -> dict:
+    """Stream Δ = θ_r − θ_w to `path` tensor by tensor (in `names` order, the global file's); returns the sidecar's
+    file fields {sha256, bytes, dtype, finite}."""
+    dtype = DTYPE_BY_NAME[delta_dtype]
+    specs = {n: (dtype, tuple(theta_r[n].shape)) for n in names}
+    finite = True
+    with StreamingWriter(path, specs, metadata={"round": str(r), "worker": str(w)}) as wr:
+        for n in names:
+            d = (theta_r[n] - params[n].detach().to("cpu", torch.float32)).to(dtype)
+            finite = finite and bool(torch.isfinite(d).all())
+            wr.write(n, d)
+    return {"sha256": wr.sha256, "bytes": wr.nbytes, "dtype": delta_dtype, "finite": finite}
+
+
+def delta_sidecar(r: int, w: int, file: dict, *, inner_steps: int, tokens: int, loss: float | None,
+                  last_loss: float | None = None, train_seconds: float | None = None,
+                  load_seconds: float | None = None, processes: int = 1) -> dict:
+    """The sidecar of worker w's delta of round r; `file` is what write_delta returned."""
+    return {"protocol": PROTOCOL_VERSION, "round": r, "worker": w, "inner_steps": inner_steps, "tokens": tokens,
+            "loss": loss, "last_loss": last_loss, "sha256": file["sha256"], "bytes": file["bytes"],
+            "dtype": file["dtype"], "host": socket.gethostname(), "train_seconds": train_seconds,
+            "load_seconds": load_seconds, "processes": processes, "time": time.time()}
+
+
+def publish_sidecar(paths: RunPaths, sidecar: dict) -> None:
+    """The atomic marker that makes a delta complete (its file is already in place)."""
+    atomic_write_json(paths.delta_meta(sidecar["round"], sidecar["worker"]), sidecar)
+
+
+def check_sidecar(paths: RunPaths, r: int, w: int, delta_dtype: str) -> dict:
+    """Cheap checks before reading tensors: sidecar fields, round, worker, size, header shapes and dtypes."""
+    try:
+        meta = read_json(paths.delta_meta(r, w))
+    except (OSError, ValueError) as e:
+        raise RejectedDelta(w, f"unreadable sidecar ({e})")
+    for key in SIDECAR_REQUIRED:
+        if key not in meta:
+            raise RejectedDelta(w, f"sidecar lacks {key!r}")
+    if meta["round"] != r:
+        raise RejectedDelta(w, f"sidecar says round {meta['round']}, expected {r}")
+    if meta["worker"] != w:
+        raise RejectedDelta(w, f"sidecar says worker {meta['worker']}, file belongs to worker {w}")
+    if meta.get("protocol") != PROTOCOL_VERSION:
+        raise RejectedDelta(w, f"protocol {meta.get('protocol')}, expected {PROTOCOL_VERSION}")
+    if not isinstance(meta["tokens"], (int, float)) or meta["tokens"] <= 0:
+        raise RejectedDelta(w, f"tokens = {meta['tokens']!r} (must be > 0)")
+    f = paths.delta_file(r, w)
+    if not f.is_file():
+        raise RejectedDelta(w, "sidecar present but the delta file is missing")
+    if f.stat().st_size != meta["bytes"]:
+        raise RejectedDelta(w, f"file has {f.stat().st_size} bytes, sidecar says {meta['bytes']}")
+    try:
+        header, _ = read_header(f)
+    except (ValueError, OSError) as e:
+        raise RejectedDelta(w, f"not a safetensors file ({e})")
+    expect = read_header(paths.global_dir(r) / WEIGHTS)[0]
+    if set(header) != set(expect):
+        diff = sorted(set(header) ^ set(expect))
+        raise RejectedDelta(w, f"tensor names differ from the global model (e.g. {diff[:3]})")
+    want = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[DTYPE_BY_NAME[delta_dtype]]
+    for name, info in header.items():
+        if info["shape"] != expect[name]["shape"]:
+            raise RejectedDelta(w, f"{name}: shape {info['shape']}, global model has {expect[name]['shape']}")
+        if info["dtype"] != want:
+            raise RejectedDelta(w, f"{name}: dtype {info['dtype']}, expected {want} (the run's delta dtype)")
+    return meta
+
+
+
+def round_record(r: int, ok: list[int], metas: dict[int, dict], rejected: dict[int, str], missing: list[int],
+                 io: dict, prev: dict | None, **timings) -> dict:
+    """The metrics.jsonl record of round r + 1 (tokens and inner steps cumulative); `timings` go in as given."""
+    tokens = sum(metas[w]["tokens"] for w in ok)
+    losses = {w: metas[w]["loss"] for w in ok}
+    train_loss = (sum(losses[w] * metas[w]["tokens"] for w in ok) / tokens
+                  if tokens and all(isinstance(v, (int, float)) for v in losses.values()) else None)
+    prev = prev or {}
+    return {"round": r + 1, "time": time.time(), "train_loss": train_loss,
+            "worker_loss": {f"w{w:03d}": v for w, v in losses.items()},
+            "tokens": prev.get("tokens", 0) + tokens,
+            "inner_steps": prev.get("inner_steps", 0) + max(metas[w]["inner_steps"] for w in ok),
+            "workers_used": ok, "missing": missing, "rejected": {f"w{w:03d}": why for w, why in rejected.items()},
+            "bytes_read": io["bytes_read"], "bytes_written": io["bytes_written"],
+            "bytes_deltas": sum(metas[w]["bytes"] for w in ok), **timings}
+
+
+def commit(paths: RunPaths, r: int, record: dict) -> None:
+    """The atomic marker that makes round r (global model + outer state) trusted."""
+    atomic_write_json(paths.committed(r), {"round": r, "time": time.time(), **record})
+
+

@@ -1,0 +1,112 @@
+"""Command-line plumbing shared by the top-level scripts: config + overrides, friendly errors."""
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from train.core.config import RunConfig, load_config
+
+# shortcut flag -> config key
+SHORTCUTS = {"workers": "outer.num_workers", "rounds": "outer.rounds", "local_steps": "outer.local_steps",
+             "project": "project_name", "base_dir": "base_dir", "outer_lr": "outer.lr",
+             "outer_momentum": "outer.momentum", "generations": "edt.max_generations",
+             "population": "edt.population_size", "device": "inner.device", "model": "model.name",
+             "dataset": "data.dataset"}
+
+
+def add_config_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", default="evolution.json", help="the run's evolution.json (default: %(default)s)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set outer.lr=1.0 --set inner.precision=bf16 (repeatable)")
+    g = ap.add_argument_group("shortcuts for common overrides")
+    g.add_argument("--workers", type=int, help="outer.num_workers")
+    g.add_argument("--rounds", type=int, help="outer.rounds")
+    g.add_argument("--local-steps", type=int, help="outer.local_steps (H)")
+    g.add_argument("--outer-lr", type=float, help="outer.lr")
+    g.add_argument("--outer-momentum", type=float, help="outer.momentum")
+    g.add_argument("--project", help="project_name")
+    g.add_argument("--base-dir", help="base_dir")
+    g.add_argument("--model", help="model.name")
+    g.add_argument("--dataset", help="data.dataset")
+    g.add_argument("--device", help="inner.device")
+    g.add_argument("--fake-data", action="store_true", help="data.fake_data = true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def overrides_from(args: argparse.Namespace) -> list[str]:
+    import json
+    out = []
+    for flag, key in SHORTCUTS.items():
+        v = getattr(args, flag, None)
+        if v is not None:
+            out.append(f"{key}={json.dumps(v)}")
+    if getattr(args, "fake_data", False):
+        out.append("data.fake_data=true")
+    if getattr(args, "no_progress", False):
+        out.append("logging.progress=false")
+    return out + list(args.set)
+
+
+def preflight(cfg: RunConfig, strategy: str = "diloco") -> None:
+    """Checks that fail in one line before any process starts or any file is written: the device, optional
+    packages the config asks for, and user plugins (edt.fitness). Workers on other hosts repeat the device check."""
+    from train.core.logs import check_metric_logger
+    from train.core.model import pick_device
+
+    pick_device(cfg.inner.device)
+    check_metric_logger(cfg.logging.metrics)
+    if strategy == "edt":
+        from train.edt.evolution import fitness_function
+        fitness_function(cfg.edt.fitness)
+
+
+def load_from_args(args: argparse.Namespace, strategy: str = "diloco") -> tuple[RunConfig, list[str]]:
+    """The config and the overrides to hand to the run's other processes: the user's, plus what the strategy
+    decided for them (its default project, `<strategy>-shakespeare`), so that workers agree with this process."""
+    ovs = overrides_from(args)
+    cfg = load_config(args.config, ovs, strategy=strategy)
+    return cfg, ovs + cfg.default_overrides()
+
+
+def coordinator_main(strategy: str, description: str,
+                     add_args: Callable[[argparse.ArgumentParser], None] = add_config_args) -> int:
+    """The body of `python -m diloco` / `python -m edt`: parse, check, run the strategy's coordinator."""
+    import logging
+
+    from train.core.model import quiet_transformers
+    from train.core.strategies import STRATEGIES
+
+    strat = STRATEGIES[strategy]
+    ap = argparse.ArgumentParser(description=description)
+    add_args(ap)
+    args = ap.parse_args()
+    cfg, _ = load_from_args(args, strategy=strategy)
+    quiet_transformers()
+    preflight(cfg, strategy)
+    logging.getLogger(f"{strategy}-coordinator").info("%s", strat.summary(cfg))
+    strat.coordinator(cfg).run()
+    return 0
+
+
+def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | None = None) -> int:
+    """The body of a worker module (`python -m <worker module> --config ... --worker i`): the same flags for every
+    strategy; SIGTERM exits 143 (the run resumes from the worker's saved state)."""
+    import signal
+    import sys
+
+    from train.core.model import quiet_transformers
+    from train.core.strategies import STRATEGIES
+
+    ap = argparse.ArgumentParser(prog=f"python -m {STRATEGIES[strategy].worker_module}", description=doc)
+    ap.add_argument("--config", default="evolution.json", help="evolution.json of the run")
+    ap.add_argument("--worker", type=int, required=True, help="this worker's id, 0..num_workers-1")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
+    args = ap.parse_args(argv)
+    quiet_transformers()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cfg = load_config(args.config, args.set, strategy=strategy)
+    if args.threads:
+        cfg.inner.threads = args.threads
+    worker_cls(cfg, args.worker).run()
+    return 0
