@@ -12,7 +12,7 @@ from conftest import REPO, tiny_config
 from helpers_proc import kill_all, run_script, start_script, wait_until
 from train.core.config import ConfigError, build_config
 from train.edt.store import EDTPaths
-from train.edt.evolution import crossover_dna, generation_rng, mutate_dna, random_dna
+from train.core.evolution import crossover_dna, generation_rng, mutate_dna, random_dna
 from train.evomerge.breeding import decode_evomerge, evomerge_genes
 from train.merge.methods import Recipe
 from train.core.store import read_json, read_jsonl, verify_manifest

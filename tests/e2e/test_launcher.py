@@ -55,7 +55,7 @@ def test_plan_worker_i_on_machine_i_round_robin_over_gpus(tmp_path):
     edt = ln.plan("edt")
     assert edt[0].argv[1:3] == ["-m", "edt"]  # the coordinator runs as a module (train/core/strategies.py)
     assert edt[1].argv[2] == "train.edt.worker"
-    with pytest.raises(ConfigError, match="--strategy nope: must be one of diloco, edt"):
+    with pytest.raises(ConfigError, match="strategy .nope. is not one of diloco, edt"):
         ln.plan("nope")
 
 
@@ -309,7 +309,7 @@ def test_a_host_that_fails_to_start_stops_the_others(sshd, tmp_path):
 
 @pytest.mark.ssh
 @pytest.mark.slow
-@pytest.mark.skipif(not (REPO / "edt.py").is_file() or not (REPO / "train" / "edt_worker.py").is_file(),
+@pytest.mark.skipif(not (REPO / "edt.py").is_file() or not (REPO / "train" / "edt" / "worker.py").is_file(),
                     reason="the EDT strategy (edt.py, train/edt/worker.py) is not in this checkout")
 def test_edt_run_over_ssh(sshd, tmp_path):
     c = Cluster(sshd, tmp_path, _machines(sshd), tiny_config(tmp_path / "runs", edt={"max_generations": 2}))

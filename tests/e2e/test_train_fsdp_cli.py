@@ -104,7 +104,7 @@ def test_seed_command_runs_as_a_two_process_torchrun_worker(tmp_path):
     """The issue's command line under torchrun (2 gloo processes), with world rank 0 starting the coordinator."""
     ck = tmp_path / "ck"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "train" / "train_fsdp.py"), *seed_command(ck, galaxy=1), "--project", "seed"]
+           str(REPO / "train" / "launch" / "train_fsdp.py"), *seed_command(ck, galaxy=1), "--project", "seed"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     paths = RunPaths(ck / "seed")
     logs = out.stdout + out.stderr

@@ -1,4 +1,4 @@
-"""Selection, fitness and DNA: properties (hypothesis) of the pure functions in train/edt/evolution.py."""
+"""Selection, fitness and DNA: properties (hypothesis) of the pure functions in train/core/evolution.py."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from train.edt.evolution import (GENES, crossover_dna, decode, fit_dna, fitness_function, generation_rng, mutate_dna,
+from train.core.evolution import (GENES, crossover_dna, decode, fit_dna, fitness_function, generation_rng, mutate_dna,
                                  rank_order, rank_weights, select_pairs, tournament)
 
 fitness_lists = st.lists(st.one_of(st.floats(-10, 10, allow_nan=False), st.just(float("-inf")),

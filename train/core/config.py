@@ -235,7 +235,7 @@ class EDTConfig:
                                     "re-queued for another worker.")
     max_attempts: int = doc(3, "Claims of one job before the run stops with an error (a job that kills workers).")
 
-    # gene name -> (lowest allowed, highest allowed); see train/edt/evolution.py GENES for what each one drives.
+    # gene name -> (lowest allowed, highest allowed); see train/core/evolution.py GENES for what each one drives.
     GENE_LIMITS: typing.ClassVar[dict] = {"inner_lr": (1e-6, 1e3), "outer_lr": (1e-6, 10.0),
                                           "outer_momentum": (0.0, 0.999), "data_mix": (0.0, 1.0)}
 

@@ -28,6 +28,13 @@ def plot_losses(records: list[dict], out: Path, title: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    save_figure(fig, out)
+
+
+def save_figure(fig, out: Path) -> None:
+    """Write a figure atomically (a temp name, then a rename: a viewer never opens half a PNG) and close it."""
+    import matplotlib.pyplot as plt
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp.png")
     fig.savefig(tmp)

@@ -263,7 +263,7 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.launch.cli import worker_main
+    from train.core.entry import worker_main
     return worker_main("diloco", Worker, __doc__.split("\n")[0], argv)
 
 

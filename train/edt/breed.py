@@ -16,7 +16,7 @@ from typing import Callable
 
 from train.core.config import ConfigError, RunConfig
 from train.edt.store import EDTPaths, member_id
-from train.edt.evolution import (crossover_dna, decode, fit_dna, generation_rng, mutate_dna, random_dna, select_pairs)
+from train.core.evolution import (crossover_dna, decode, fit_dna, generation_rng, mutate_dna, random_dna, select_pairs)
 from train.merge.crossover import MergeSpec, ParentFiles, merge_files
 from train.core.model import WEIGHTS, build_model, model_source
 from train.core.store import (PROTOCOL_VERSION, atomic_publish_dir, atomic_write_json, new_tmp_dir, read_json,

@@ -22,7 +22,7 @@ from train.core.data import TokenData, prepare_data
 from train.edt.breed import (Member, breed, load_job, population_size, write_initial_population)
 from train.edt.modes import mode_of
 from train.edt.store import EDTPaths, lease_age, member_id, requeue, server_now, stale_count, write_committed
-from train.edt.evolution import fitness_function, rank_order
+from train.core.evolution import fitness_function, rank_order
 from train.core.logs import make_metric_logger
 from train.core.model import WEIGHTS, build_model, check_model_fits, load_tokenizer
 from train.core.store import (MANIFEST, ProtocolError, append_jsonl, atomic_publish_dir, atomic_write_json,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from train.core.plot import save_figure
 from train.edt.store import EDTPaths, parse_member_id
 from train.core.store import read_json, read_jsonl
 
@@ -39,16 +40,6 @@ def load_population(run_dir: str | Path, generation: int | None = None) -> list[
         out.append({**rec, "model_dir": str(mdir) if (mdir / "model.safetensors").is_file() else None,
                     "result": read_json(res) if res.is_file() else None})
     return out
-
-
-def save_figure(fig, out: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(out)
 
 
 def plot_lineage(records: list[dict], out: Path, title: str = "") -> None:

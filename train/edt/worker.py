@@ -246,7 +246,7 @@ class EDTWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.launch.cli import worker_main
+    from train.core.entry import worker_main
     return worker_main("edt", EDTWorker, __doc__.split("\n")[0], argv)
 
 

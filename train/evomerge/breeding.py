@@ -3,7 +3,7 @@
 The population starts from several fine-tunes of one architecture (edt.initial_population). Each child of a
 generation is a *merge* of its two parents by the recipe its DNA encodes, then a mutation by SFT on the data mix the
 same DNA encodes (train/evomerge/mutate.py, on a worker), then a task evaluation (fitness). The recipe evolves with
-the weights: selection, uniform DNA crossover and Gaussian gene mutation act on these genes (train/edt/evolution.py):
+the weights: selection, uniform DNA crossover and Gaussian gene mutation act on these genes (train/core/evolution.py):
 
     method             which merge (evomerge.methods): linear, slerp, task_arithmetic, ties, dare_linear, dare_ties
     t_attn_i, t_mlp_i  slerp's t-curves for self_attn / mlp tensors (evomerge.curve_points points each), t_rest for
@@ -28,7 +28,7 @@ from typing import Callable
 
 from train.core.errors import NotFound
 from train.core.config import BASE_METHODS, RunConfig
-from train.edt.evolution import decode as decode_genes
+from train.core.evolution import decode as decode_genes
 
 log = logging.getLogger("edt-coordinator")
 
@@ -234,7 +234,7 @@ def plot_report(rep: dict, out: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from train.edt.lineage import save_figure
+    from train.core.plot import save_figure
 
     tasks = sorted({t for row in rep["rows"] for t in row["scores"]})
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(tasks), 3.6))

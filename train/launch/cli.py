@@ -56,7 +56,7 @@ def preflight(cfg: RunConfig, strategy: str = "diloco") -> None:
     pick_device(cfg.inner.device)
     check_metric_logger(cfg.logging.metrics)
     if strategy == "edt":
-        from train.edt.evolution import fitness_function
+        from train.core.evolution import fitness_function
         fitness_function(cfg.edt.fitness)
 
 
@@ -85,28 +85,4 @@ def coordinator_main(strategy: str, description: str,
     preflight(cfg, strategy)
     logging.getLogger(f"{strategy}-coordinator").info("%s", strat.summary(cfg))
     strat.coordinator(cfg).run()
-    return 0
-
-
-def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | None = None) -> int:
-    """The body of a worker module (`python -m <worker module> --config ... --worker i`): the same flags for every
-    strategy; SIGTERM exits 143 (the run resumes from the worker's saved state)."""
-    import signal
-    import sys
-
-    from train.core.model import quiet_transformers
-    from train.core.strategies import STRATEGIES
-
-    ap = argparse.ArgumentParser(prog=f"python -m {STRATEGIES[strategy].worker_module}", description=doc)
-    ap.add_argument("--config", default="evolution.json", help="evolution.json of the run")
-    ap.add_argument("--worker", type=int, required=True, help="this worker's id, 0..num_workers-1")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
-    args = ap.parse_args(argv)
-    quiet_transformers()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cfg = load_config(args.config, args.set, strategy=strategy)
-    if args.threads:
-        cfg.inner.threads = args.threads
-    worker_cls(cfg, args.worker).run()
     return 0
