@@ -4,6 +4,8 @@ Torch CPU threads are pinned for the whole session, in this process and in every
 EDT_TEST_THREADS (default 1) sets torch.set_num_threads here and OMP_NUM_THREADS for child processes (coordinators
 take torch's default from it); worker processes get `--threads EDT_TEST_THREADS` from helpers_proc.with_threads.
 A test that compares two runs bit for bit thus compares the same computation, whatever the machine's core count.
+Tests that assert on a trained outcome train to a margin (or assert with a tolerance) that float kernels cannot
+cross, so they pass with any EDT_TEST_THREADS and PYTHONHASHSEED.
 A proof run with other values: `EDT_TEST_THREADS=2 PYTHONHASHSEED=7 python -m pytest tests`.
 """
 from __future__ import annotations
@@ -28,8 +30,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TEST_THREADS = int(os.environ.get("EDT_TEST_THREADS") or 1)
 if TEST_THREADS < 1:
     raise pytest.UsageError(f"EDT_TEST_THREADS = {TEST_THREADS}: must be >= 1")
-os.environ["EDT_TEST_THREADS"] = str(TEST_THREADS)  # for tests/diloco_opt_worker.py and other helpers
+os.environ["EDT_TEST_THREADS"] = str(TEST_THREADS)  # the session's value, for anything a test starts
 os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)   # torch's default in child processes (coordinators, workers)
+# Tests run several processes of TEST_THREADS threads each on few cores: OpenMP threads that spin while they wait
+# starve the others (with 2 threads on 2 cores a 400-step round took > 4 minutes instead of seconds). Timing only.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 torch.set_num_threads(TEST_THREADS)
 
 
