@@ -318,7 +318,7 @@ def test_edt_run_over_ssh(sshd, tmp_path):
         out = c.cli("launch", "--strategy", "edt")
         assert out.returncode == 0 and out.stdout.count("started, pid") == 3, out.stdout + out.stderr
         cmds = {r: x["command"] for r, x in records(paths).items()}
-        assert cmds["coordinator"][1] == "edt.py" and cmds["worker-001"][1:3] == ["-m", "train.edt.worker"]
+        assert cmds["coordinator"][1:3] == ["-m", "edt"] and cmds["worker-001"][1:3] == ["-m", "train.edt.worker"]
         wait_until(lambda: (paths.final / "MANIFEST.json").is_file(), 300, "the EDT run completes over SSH")
         wait_until(lambda: all(state_of(r) == "stopped" for r in records(paths).values()), 60, "processes exit")
         st = c.status()
