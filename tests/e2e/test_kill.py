@@ -93,7 +93,7 @@ def test_sigkill_simulator_at_random_moments_then_rerun_finishes(write_config, t
 
 def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_identically(tmp_path, monkeypatch):
     """Deterministic version of a crash inside the commit: the reduce dies after writing some tensors."""
-    import train.diloco.coordinator as co_mod
+    import train.exchange.master as master_mod
 
     cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000}))
     co = Coordinator(cfg, progress=False)
@@ -107,7 +107,7 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
         atomic_write_json(paths.delta_meta(0, w), {"protocol": PROTOCOL_VERSION, "round": 0, "worker": w,
                                                    "inner_steps": 5, "tokens": 100, "loss": 1.0, "sha256": sha,
                                                    "bytes": paths.delta_file(0, w).stat().st_size})
-    real = co_mod.outer_step_tensor
+    real = master_mod.outer_step_tensor
     calls = {"n": 0}
 
     def dying(*a, **k):
@@ -116,12 +116,12 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
             raise KeyboardInterrupt("simulated crash mid-commit")
         return real(*a, **k)
 
-    monkeypatch.setattr(co_mod, "outer_step_tensor", dying)
+    monkeypatch.setattr(master_mod, "outer_step_tensor", dying)
     with pytest.raises(KeyboardInterrupt):
         co.run_round(0)
     assert paths.latest_committed() == 0 and not paths.committed(1).exists()
     assert not paths.global_dir(1).exists()
-    monkeypatch.setattr(co_mod, "outer_step_tensor", real)
+    monkeypatch.setattr(master_mod, "outer_step_tensor", real)
     co.close()  # the crashed coordinator's process is gone, and its lock with it
 
     # A commit that wrote everything but the marker (killed just before it) is redone too.

@@ -13,10 +13,10 @@ from train.core.config import load_config
 
 def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | None = None) -> int:
     """The body of a worker module (`python -m <worker module> --config ... --worker i`): the same flags for every
-    strategy; SIGTERM exits 143 (the run resumes from the worker's saved state)."""
-    import signal
-    import sys
-
+    strategy. The worker's heartbeat is its lease (train/core/heartbeat.py: from its first beat, after it holds its
+    lock, until it exits, with a final record "exited" or "left"); SIGTERM = leave: the worker exits 0 at its next
+    safe point (between inner steps, or in a wait) and the run resumes from its saved state."""
+    from train.core.heartbeat import install_leave_handler
     from train.core.model import quiet_transformers
     from train.core.strategies import STRATEGIES
 
@@ -26,10 +26,23 @@ def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | Non
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
     args = ap.parse_args(argv)
+    box: list = []  # the worker's Heartbeat once it exists; before it, SIGTERM exits at once
+    install_leave_handler(lambda: box[0] if box else None)
     quiet_transformers()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = load_config(args.config, args.set, strategy=strategy)
     if args.threads:
         cfg.inner.threads = args.threads
-    worker_cls(cfg, args.worker).run()
+    worker = worker_cls(cfg, args.worker)
+    hb = worker.hb.start_lease(at_first_beat=True)
+    box.append(hb)
+    waiting = getattr(worker, "monitor", None)
+    if callable(waiting):  # the worker's wait loops call it every poll: a safe point to leave
+        worker.monitor = lambda: (hb.leave_point(), waiting())[1]
+    try:
+        worker.run()
+    except BaseException as e:
+        if not isinstance(e, SystemExit):
+            hb.stop("exited", error=f"{type(e).__name__}: {e}"[:500])
+        raise
+    hb.stop("exited")
     return 0

@@ -1,33 +1,105 @@
-"""A worker's heartbeat: its progress file, rewritten in the background so a beat never stalls a training step.
+"""A worker's heartbeat: its progress file (workers/wXXX/progress.json), made a lease, and SIGTERM as "leave".
 
-The coordinators read it for progress bars and leases, `launch_to_machines.py status` for the last line per host.
+The file is the worker's lease: a background thread rewrites it about every second for as long as the process
+lives, whatever the worker does (waits, trains, saves), each time with a higher `beat` counter. Readers judge
+liveness from these contents, never from mtimes (NFS caches attributes): train/exchange/membership.py watches the
+`beat` change on its own clock. Every record carries
+
+    worker, pid, host, boot_id, proc_start   who writes it (a reader on the same host can check the pid)
+    lease                        a random id per process: a restarted worker is a new lease
+    beat                         +1 per write; continues from the previous process's last value
+    status, round / generation, step, steps, loss   what the worker is doing (progress bars, `status`)
+    time                         the writer's wall clock (display only: never compared with another host's)
+
+The last record of a process says why it ended: status "exited" (it returned, or failed: then `error` too) or
+"left" (SIGTERM). A SIGKILL writes nothing: the reader's dead_after_s, or its pid check on the same host, tells.
+
+SIGTERM = leave (`install_leave_handler`): the worker finishes what it is writing and exits 0 at its next safe
+point, after a final beat with status "left". Safe points are the worker's own beats (between inner steps, before
+a wait: nothing half-written) and `leave_point()` calls in its wait loops. Before the lease started (the process is
+still importing, or never holds the worker's lock) SIGTERM exits 0 at once: nothing of its own is on disk yet.
+More SIGTERMs change nothing (a supervisor passes its own on); SIGKILL is the way to stop a worker at once, and
+the run still resumes after it (every file is written atomically).
 """
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import threading
 import time
+import uuid
+from contextlib import contextmanager
+from typing import Callable
 
-import torch
+from train.core.store import atomic_write_json, read_json
 
-from train.core.store import atomic_write_json
+log = logging.getLogger("heartbeat")
+
+LEASE_EVERY_S = 1.0          # how often the lease thread rewrites the file
+GONE_STATUSES = ("exited", "left")  # a final record: the process that wrote it has ended
+
+
+def boot_id() -> str:
+    """This machine's boot id (Linux): with the hostname, tells whether a pid in a record is one of ours."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def proc_start_ticks(pid: int | None = None) -> int | None:
+    """A process's start time in clock ticks since boot (Linux /proc): with the pid, names one process for good."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            raw = f.read()
+        return int(raw[raw.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Heartbeat:
-    """workers/wXXX/progress.json, rewritten at most every `every` seconds (progress bars, `status`).
+    """workers/wXXX/progress.json: progress for bars and `status`, and the worker's lease.
 
-    Beats during training are written by a background thread: the fsyncs of an atomic write would otherwise stall
-    the step (and, in a torchrun group, every rank waiting for rank 0 in the next all-reduce). A beat due while the
-    previous one is still being written is skipped; forced beats (status changes) wait for it and are written here.
+    `beat(**fields)` sets what the worker is doing. Without a lease (start_lease not called) beats are written at
+    most every `every` seconds by a short background thread, as before. With the lease running, a beat only
+    records the fields and the lease thread writes them on its next tick (a training step never waits for an
+    fsync); forced beats (status changes) are written at once, in order, by the caller.
     """
 
     def __init__(self, path, worker: int, every: float = 1.0):
         self.path, self.worker, self.every = path, worker, every
+        self.lease_id = uuid.uuid4().hex[:12]
+        self._proc_start = proc_start_ticks()
+        self.count = 0                       # the `beat` of the last record written
+        self.leaving = False                 # SIGTERM seen: leave at the next safe point
         self._last = 0.0
+        self._fields: dict = {}
         self._writer: threading.Thread | None = None
+        self._lock = threading.Lock()        # one write at a time, each with the latest fields
+        self._lease: threading.Thread | None = None
+        self._lease_armed = False
+        self._lease_every = LEASE_EVERY_S
+        self._stop = threading.Event()
+        self._busy = 0
+        self._final = False
 
+    # -- beats ----------------------------------------------------------------------------------------------------
     def beat(self, force: bool = False, **fields) -> None:
+        if self._final:
+            return
+        self._fields = fields
+        started = self._lease_armed and self._lease is None
+        if started:
+            self.start_lease(self._lease_every)  # writes this beat
+        if self.leaving and not self._busy:
+            self.leave()  # a beat is a safe point: between steps, or before a wait
+        if self._lease is not None:
+            if force and not started:
+                self._write()
+            return
         now = time.time()
         if not force and now - self._last < self.every:
             return
@@ -35,14 +107,118 @@ class Heartbeat:
         if busy and not force:
             return
         self._last = now
-        loss = fields.get("loss")
-        if isinstance(loss, torch.Tensor):
-            fields["loss"] = float(loss)
-        record = {"worker": self.worker, "pid": os.getpid(), "host": socket.gethostname(), "time": now, **fields}
         if force:
             if busy:
                 self._writer.join()
-            atomic_write_json(self.path, record)
+            self._write()
             return
-        self._writer = threading.Thread(target=atomic_write_json, args=(self.path, record), daemon=True)
+        self._writer = threading.Thread(target=self._write, daemon=True)
         self._writer.start()
+
+    def record(self) -> dict:
+        fields = dict(self._fields)
+        if fields.get("loss") is not None and not isinstance(fields["loss"], (int, float)):
+            fields["loss"] = float(fields["loss"])  # a 0-d tensor: synced here, by the writer, once per write
+        return {"worker": self.worker, "pid": os.getpid(), "host": socket.gethostname(), "boot_id": _BOOT_ID,
+                "proc_start": self._proc_start, "lease": self.lease_id, "beat": self.count, "time": time.time(),
+                **fields}
+
+    def _write(self) -> None:
+        with self._lock:
+            self.count += 1
+            atomic_write_json(self.path, self.record())
+
+    # -- the lease ------------------------------------------------------------------------------------------------
+    def start_lease(self, every: float = LEASE_EVERY_S, *, at_first_beat: bool = False) -> "Heartbeat":
+        """Keep the file fresh from a background thread until stop(). `at_first_beat`: start it with the worker's
+        first beat instead (workers take their lock first, so a second copy of a worker never overwrites the live
+        one's lease; the other ranks of a torchrun group never beat, so they hold no lease)."""
+        self._lease_every = every
+        if at_first_beat:
+            self._lease_armed = True
+            return self
+        if self._lease is not None:
+            return self
+        try:  # continue the counter of the previous process of this worker: `beat` only grows
+            prev = read_json(self.path)
+            self.count = max(self.count, int(prev.get("beat", 0)))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+        self._write()  # the lease exists when this returns
+        self._lease = threading.Thread(target=self._lease_loop, args=(every,), name="heartbeat-lease", daemon=True)
+        self._lease.start()
+        return self
+
+    def _lease_loop(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                self._write()
+            except OSError as e:  # a full or vanished disk: the reader will call us dead, which is the truth
+                log.warning("heartbeat: cannot write %s: %s", self.path, e)
+
+    @property
+    def running(self) -> bool:
+        return self._lease is not None and not self._final
+
+    def stop(self, status: str = "exited", **extra) -> None:
+        """The final record (status exited or left), after which the file is never written again by us."""
+        if self._final:
+            return
+        self._stop.set()
+        if self._lease is not None and self._lease is not threading.current_thread():
+            self._lease.join(5)
+        if self._writer is not None and self._writer.is_alive():
+            self._writer.join(5)
+        if self._lease is not None or self.count:  # only a process that beat has a record to close
+            last = self._fields.get("status")
+            self._fields = {**self._fields, "status": status, **({"last_status": last} if last else {}), **extra}
+            try:
+                self._write()
+            except OSError as e:
+                log.warning("heartbeat: cannot write the final record to %s: %s", self.path, e)
+        self._final = True
+
+    # -- leaving (SIGTERM) ----------------------------------------------------------------------------------------
+    def request_leave(self) -> None:
+        """SIGTERM's handler: leave at the next safe point; at once when nothing of ours is on disk yet."""
+        if self.leaving:
+            return  # a second SIGTERM (the supervisor passes its own on): the same request
+        self.leaving = True
+        if self._lease is None and not self.count:
+            raise SystemExit(0)
+        log.warning("SIGTERM: leaving the run at the next safe point (after the current step or write)")
+
+    def leave_point(self) -> None:
+        """Call where the worker holds nothing half-written (its wait loops): leave now if SIGTERM asked to."""
+        if self.leaving and not self._busy and not self._final:
+            self.leave()
+
+    def leave(self) -> None:
+        log.warning("leaving the run (SIGTERM): final heartbeat 'left', exit 0")
+        self.stop("left")
+        raise SystemExit(0)
+
+    @contextmanager
+    def busy(self):
+        """A stretch that must not be cut by a leave (a claim being written, a member being published): a SIGTERM
+        that arrives inside it takes effect at the next safe point after it."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+
+
+_BOOT_ID = boot_id()
+
+
+def install_leave_handler(get_heartbeat: Callable[[], "Heartbeat | None"]) -> None:
+    """SIGTERM = leave: `get_heartbeat()` is the process's Heartbeat once there is one (None before: exit 0 now)."""
+
+    def on_sigterm(signum, frame) -> None:
+        hb = get_heartbeat()
+        if hb is None:
+            raise SystemExit(0)
+        hb.request_leave()
+
+    signal.signal(signal.SIGTERM, on_sigterm)

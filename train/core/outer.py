@@ -62,3 +62,19 @@ def diloco_round(params: dict[str, torch.Tensor], worker_deltas: Sequence[dict[s
     """Average the workers' pseudo-gradients and apply the outer step (the notebook-friendly entry point)."""
     grads = {k: average_deltas([d[k] for d in worker_deltas], weights) for k in params}
     return outer_step(params, grads, momentum, lr, mu, nesterov)
+
+
+def outer_lr_at(round: int, oc) -> float:
+    """The outer learning rate of the step that makes θ_{round+1} from θ_round (`oc`: the run's OuterConfig).
+
+    constant: oc.lr every round (DiLoCo; Charles et al. 2025 keep it constant too).
+    warmup:   oc.lr · min(1, (round + 1) / W) with W = oc.lr_warmup_rounds: lr / W at round 0, the full lr from
+              round W − 1 on (a gentler start while the outer momentum buffer fills).
+    A pure function of the round, so a resumed coordinator takes the same step as an uninterrupted one."""
+    if round < 0:
+        raise ValueError(f"outer_lr_at: round must be >= 0, got {round}")
+    if oc.lr_schedule == "constant":
+        return oc.lr
+    if oc.lr_schedule == "warmup":
+        return oc.lr * min(1.0, (round + 1) / oc.lr_warmup_rounds)
+    raise ValueError(f"outer_lr_at: unknown outer.lr_schedule {oc.lr_schedule!r}")

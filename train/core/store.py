@@ -9,7 +9,9 @@ Layout of one run (all under BASE_DIR/<project_name>/):
     logs/coordinator.log, logs/worker-000.log, ...
     data/<key>/tokens.bin + meta.json      token cache shared by every worker (memory-mapped)
     rounds/r000003/global/         HF model directory of the global model θ_3 (+ MANIFEST.json)
-    rounds/r000003/outer_state.safetensors  outer momentum after the step that produced θ_3
+    rounds/r000003/outer_state.safetensors  outer momentum (+ the coordinator's residual) after the step to θ_3
+    rounds/r000003/update.safetensors       compressed runs: the update θ_3 − θ_2 every copy of θ applies; the
+                                   global/ directory and outer_state then exist every outer.checkpoint_every rounds
     rounds/r000003/deltas/w000.safetensors + w000.json   pseudo-gradients computed from θ_3
     rounds/r000003/COMMITTED       atomic marker: θ_3 is complete; readers trust nothing without it
     workers/w000/state.json + opt-r000003.safetensors     inner optimizer state and data position
@@ -217,6 +219,14 @@ class RunPaths:
 
     def committed(self, r: int) -> Path:
         return self.round_dir(r) / "COMMITTED"
+
+    def update_file(self, r: int) -> Path:
+        """The compressed outer update θ_r − θ_{r−1} (compressed exchange; docs/compression.md)."""
+        return self.round_dir(r) / "update.safetensors"
+
+    def is_checkpoint(self, r: int) -> bool:
+        """Round r has a complete fp32 global model directory (every round without compression)."""
+        return (self.global_dir(r) / "MANIFEST.json").is_file()
 
     def deltas_dir(self, r: int) -> Path:
         return self.round_dir(r) / "deltas"

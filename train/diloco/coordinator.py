@@ -23,9 +23,10 @@ from train.core.inner import evaluate
 from train.core.logs import make_metric_logger
 from train.core.model import (build_model, check_model_fits, load_tokenizer, load_weights_into, pick_device,
                               save_model_dir)
-from train.core.outer import outer_step_tensor
-from train.exchange.protocol import commit, round_record
-from train.exchange.reduce import arrived, param_order, prune_rounds, reduce_round, validate_and_reduce
+from train.exchange.accumulate import Accumulator
+from train.exchange.master import OuterMaster
+from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
+from train.exchange.reduce import arrived, prune_rounds
 from train.core.store import (
     PROTOCOL_VERSION,
     RunPaths,
@@ -48,7 +49,9 @@ def run_identity(cfg: RunConfig) -> dict:
     """What may not change when a run is resumed (rounds, timeouts, lrs may)."""
     return {"model": cfg.model.name, "tokenizer": cfg.model.tokenizer, "dataset": cfg.data.dataset,
             "fake_data": cfg.data.fake_data, "seq_length": cfg.data.seq_length, "num_workers": cfg.outer.num_workers,
-            "seed": cfg.seed, "delta_dtype": cfg.outer.delta_dtype}
+            "seed": cfg.seed, "delta_dtype": cfg.outer.delta_dtype,
+            **({"compression": cfg.outer.compression, "block_size": cfg.outer.block_size}
+               if cfg.outer.compression != "none" else {})}
 
 
 class Coordinator:
@@ -89,28 +92,41 @@ class Coordinator:
             log.info("round 0: eval loss of the initial model %.4f", eval0)
         else:
             self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
-        self.names = self._param_order(0)
-
-    def _param_order(self, r: int) -> list[str]:
-        return param_order(self.paths, r)
+        self.master = OuterMaster(paths, cfg.outer, cfg.outer.rounds)
+        self.master.resume(paths.latest_committed())
+        self.names = self.master.names
 
     # -- waiting for deltas ---------------------------------------------------------------------------------------
     def arrived(self, r: int) -> list[int]:
         return arrived(self.paths, r, self.cfg.outer.num_workers)
 
-    def wait_for_deltas(self, r: int) -> list[int]:
-        """Block until every worker's delta of round r arrived, or the timeout passed with >= min_workers."""
+    def collect(self, r: int) -> tuple[Accumulator, dict[int, str], list[int], float]:
+        """Wait for round r's deltas and add each as it arrives (train/exchange/accumulate.py), until every worker's
+        is in (accepted or rejected) or the timeout passed with >= min_workers accepted.
+        Returns (the accumulator, {worker: rejection reason}, missing workers, time of the last arrival)."""
         from tqdm import tqdm
 
         oc = self.cfg.outer
         N, H = oc.num_workers, oc.local_steps
+        acc = self.master.new_accumulator(r)
+        rejected: dict[int, str] = {}
         t0 = time.monotonic()
+        t_last = time.perf_counter()
         bar = tqdm(total=N * H, desc=f"round {r + 1}/{oc.rounds} inner steps", unit="step", leave=False,
                    disable=not self.progress, dynamic_ncols=True)
         warned, shown = False, -1
         while True:
             self.monitor()
             got = self.arrived(r)
+            for w in got:
+                if w in acc.metas or w in rejected:
+                    continue
+                try:
+                    acc.add(w, check_sidecar(self.paths, r, w, self.master.delta_codec))
+                except RejectedDelta as e:
+                    rejected[w] = e.reason
+                    log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)
+                t_last = time.perf_counter()
             done_steps = min(N * H, sum(H if w in got else self._worker_step(w, r) for w in range(N)))
             if done_steps != bar.n or len(got) != shown:
                 bar.n, shown = done_steps, len(got)
@@ -119,10 +135,9 @@ class Coordinator:
                 break
             waited = time.monotonic() - t0
             if waited >= oc.round_timeout_s:
-                if len(got) >= oc.min_workers:
-                    missing = [w for w in range(N) if w not in got]
+                if len(acc.workers) >= oc.min_workers:
                     log.warning("round %d: timeout after %.0fs; going on with %d/%d deltas, missing workers %s",
-                                r, waited, len(got), N, missing)
+                                r, waited, len(got), N, [w for w in range(N) if w not in got])
                     break
                 if not warned:
                     log.warning("round %d: %.0fs and only %d deltas (min_workers = %d): still waiting", r, waited,
@@ -130,7 +145,11 @@ class Coordinator:
                     warned = True
             time.sleep(oc.poll_interval_s)
         bar.close()
-        return got
+        if len(acc.workers) < oc.min_workers:
+            raise RuntimeError(f"round {r}: only {len(acc.workers)} valid deltas (min_workers = {oc.min_workers}); "
+                               f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
+        missing = [w for w in range(N) if w not in got]
+        return acc, rejected, missing, t_last
 
     def _worker_step(self, w: int, r: int) -> int:
         try:
@@ -139,50 +158,38 @@ class Coordinator:
             return 0
         return int(p.get("step", 0)) if p.get("round") == r and p.get("status") == "training" else 0
 
-    # -- validation and the outer step (train/exchange/reduce.py)
-    # ---------------------------------------------------------
-    def _update(self, name: str, theta: torch.Tensor, grad: torch.Tensor, prev) -> tuple:
-        """The outer step of one tensor: the pure Nesterov SGD of train/core/outer.py; the state is the momentum."""
-        oc = self.cfg.outer
-        new, buf = outer_step_tensor(theta, grad, prev(name), oc.lr, oc.momentum, oc.nesterov)
-        return new, {name: buf}
-
-    @staticmethod
-    def _momentum_specs(name: str, dtype: torch.dtype, shape: tuple) -> dict:
-        return {name: (torch.float32, shape)}
-
-    def reduce(self, r: int, workers: list[int], metas: dict[int, dict]) -> dict:
-        """Stream θ_r, m_r and the deltas tensor by tensor; write θ_{r+1}, m_{r+1} (uncommitted). Raises
-        RejectedDelta when a delta turns out non-finite or its bytes do not match the sidecar's sha256."""
-        oc = self.cfg.outer
-        weights = [float(metas[w]["tokens"]) if oc.token_weighted else 1.0 for w in workers]
-        return reduce_round(self.paths, r, workers, metas, weights, self._update, self._momentum_specs)
-
     # -- one round ------------------------------------------------------------------------------------------------
     def run_round(self, r: int) -> dict:
         cfg, paths, oc = self.cfg, self.paths, self.cfg.outer
         t0 = time.perf_counter()
-        workers = self.wait_for_deltas(r)
-        t_wait = time.perf_counter() - t0
+        acc, rejected, missing, t_last = self.collect(r)
+        t_wait = t_last - t0
         t1 = time.perf_counter()
-        ok, metas, rejected, io = validate_and_reduce(
-            paths, r, workers, delta_dtype=oc.delta_dtype, min_workers=oc.min_workers,
-            token_weighted=oc.token_weighted, update=self._update, state_specs=self._momentum_specs)
+        try:
+            fields = self.master.step(r, acc)
+        except BaseException:
+            self.master.discard_uncommitted(r)
+            raise
         t_reduce = time.perf_counter() - t1
         t2 = time.perf_counter()
         eval_loss = float("nan")
         if (r + 1) % cfg.eval.every == 0 or r + 1 == oc.rounds:
-            load_weights_into(self.model, paths.global_dir(r + 1))
+            self.master.theta.load_into(self.model)
             eval_loss = evaluate(self.model, self.eval_windows, cfg.eval.batch_size, self.device,
                                  cfg.inner.precision)
         t_eval = time.perf_counter() - t2
-        missing = [w for w in range(oc.num_workers) if w not in workers]
-        record = round_record(r, ok, metas, rejected, missing, io, self._last_metrics(), eval_loss=eval_loss,
+        ok, metas = acc.workers, acc.metas
+        io = {"bytes_read": acc.bytes_read + self.master.theta.take_bytes(), "bytes_written": fields["bytes_written"]}
+        record = round_record(r, sorted(ok), metas, rejected, missing, io, self._last_metrics(), eval_loss=eval_loss,
                               wait_s=round(t_wait, 3), reduce_s=round(t_reduce, 3), eval_s=round(t_eval, 3))
+        record.update(codec=fields["codec"], checkpoint=fields["checkpoint"])
         t3 = time.perf_counter()
         commit(paths, r + 1, {"workers": ok, "missing": missing, "rejected": record["rejected"],
-                              "eval_loss": None if math.isnan(eval_loss) else eval_loss})
+                              "eval_loss": None if math.isnan(eval_loss) else eval_loss,
+                              **{k: fields[k] for k in ("update_sha256", "theta_sha256", "codec", "checkpoint")
+                                 if k in fields}})
         record["commit_s"] = round(time.perf_counter() - t3, 3)
+        record["tail_s"] = round(time.perf_counter() - t_last, 3)  # last arrival -> committed
         self.logger.log(record)
         self.cleanup(r + 1)
         return record

@@ -22,6 +22,7 @@ import gc
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -40,9 +41,12 @@ from train.core.dist import (
     load_full,
 )
 from train.core.inner import InnerTrainer
-from train.core.model import WEIGHTS, load_weights_into
+
 from train.core.heartbeat import Heartbeat
+from train.exchange.codec import Residual
+from train.exchange.master import exchange_codecs
 from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
+from train.exchange.theta import GlobalTheta
 from train.core.store import (
     PROTOCOL_VERSION,
     ProtocolError,
@@ -53,10 +57,9 @@ from train.core.store import (
     read_json,
     wait_for,
 )
-from train.core.tensorio import iter_tensors, read_header, save_streaming
+from train.core.tensorio import iter_tensors, save_streaming
 
 log = logging.getLogger("worker")
-
 
 def build_worker_model(paths: RunPaths, model_config: dict | None = None):
     """An empty model of the run's architecture (from θ_0's config, or that config.json's contents as rank 0 read
@@ -68,7 +71,6 @@ def build_worker_model(paths: RunPaths, model_config: dict | None = None):
     else:
         mcfg = AutoConfig.for_model(**model_config)
     return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
-
 
 class Worker:
     def __init__(self, cfg: RunConfig, worker_id: int):
@@ -119,28 +121,127 @@ class Worker:
         self.trainer = InnerTrainer(cfg, model, self.device, self.dist)
         self.data = TokenData.open(Path(start["data"]), cfg.data.seq_length, cfg.data.eval_fraction)
         self.state = start["state"]
-        if "opt_file" in self.state:
-            self.load_optimizer(self.paths.worker_dir(self.w) / self.state["opt_file"])
-            log.info("resumed worker state: last round done %d, data position %d, inner step %d",
-                     self.state["round_done"], self.state["position"], self.state["step"])
-        self.sampler = ShardSampler(self.data, self.w, cfg.outer.num_workers, cfg.seed, self.state["position"])
+        self.delta_codec, self.back_codec = exchange_codecs(cfg.outer)
+        self.residual = Residual(self.delta_codec) if self.back_codec is not None else None
+        self.theta = GlobalTheta(self.paths, self.back_codec) if main else None
+        self._snapshot: threading.Thread | None = None
+        self._snapshot_error: BaseException | None = None
+        self.io = {"read": 0, "written": 0}  # BASE_DIR bytes of the current round (into the next sidecar)
+        position = self.restore_state()
+        self.sampler = ShardSampler(self.data, self.w, cfg.outer.num_workers, cfg.seed, position)
         self.batches = RankBatches(self.sampler, self.dist, cfg.inner.total_batch_size) if self.dist.enabled \
             else self.sampler
         lo, hi = self.sampler.lo, self.sampler.hi
         log.info("worker %d on %s: shard windows [%d, %d) of %d tokens each, device %s%s", self.w,
                  socket.gethostname(), lo, hi, cfg.data.seq_length, self.device,
                  f", {self.dist.world} processes ({cfg.inner.parallel})" if self.dist.enabled else "")
+        self.replay()
 
-    def load_optimizer(self, opt_file: Path) -> None:
+    # -- private resume state (docs/compression.md: where it lives, what a restart resumes with) --------------------
+    @property
+    def state_dir(self) -> Path:
+        """Where the inner optimizer moments and the residual go: BASE_DIR's worker directory, or outer.state_dir."""
+        sd = self.cfg.outer.state_dir
+        if not sd:
+            return self.paths.worker_dir(self.w)
+        return Path(os.path.expanduser(sd.format(worker=self.w))) / self.cfg.project_name / f"w{self.w:03d}"
+
+    def restore_state(self) -> int:
+        """Load the newest snapshot of our private state; returns the data position to start from (the snapshot's:
+        rounds after it are replayed by `replay`, or skipped when they cannot be, see there)."""
+        st = self.state
+        st.setdefault("opt_round", st["round_done"])
+        if "opt_file" not in st:
+            st["opt_round"] = st["round_done"]
+            return st["position"]
+        f = self.state_dir / st["opt_file"]
+        present = broadcast_json(f.is_file() if self.dist.main else None, self.dist, self.device)
+        if not present:
+            log.warning("the inner optimizer state of round %d (%s) is not on this host (outer.state_dir is host-"
+                        "local?): resuming with fresh AdamW moments%s at data position %d (no token is trained "
+                        "twice)", st["opt_round"], f, " and no error-feedback residual" if self.residual else "",
+                        st["position"])
+            self.trainer.step = int(st.get("step", 0))
+            st["opt_round"] = st["round_done"]
+            return st["position"]
+        self.load_optimizer(f, st.get("opt_extra", st))
+        if self.residual is not None and self.dist.main:
+            self.residual.load(dict(iter_tensors(f)))
+        log.info("resumed worker state: last round done %d, optimizer state of round %d, data position %d, inner "
+                 "step %d", st["round_done"], st["opt_round"], st.get("opt_position", st["position"]),
+                 self.trainer.step)
+        return st.get("opt_position", st["position"])
+
+    def replay(self) -> None:
+        """Rounds we published after our last state snapshot (a kill while it was being written): retrain them from
+        the snapshot without publishing, so the moments, residual and data position are those of an uninterrupted
+        run; the re-computed delta must equal the published one (checked by sha256)."""
+        st = self.state
+        todo = list(range(st["opt_round"] + 1, st["round_done"] + 1))
+        if not todo:
+            return
+        ok = broadcast_json(all(self.paths.committed(k).is_file() and
+                                (self.paths.is_checkpoint(k) or self.paths.update_file(k).is_file()) for k in todo)
+                            if self.dist.main else None, self.dist, self.device)
+        if not ok:
+            log.warning("rounds %s were trained but their state snapshot was lost and their global models are gone: "
+                        "going on from the older optimizer state at data position %d", todo, st["position"])
+            self.sampler.position = st["position"]
+            self.trainer.step = int(st.get("step", self.trainer.step))
+            return
+        for k in todo:
+            log.info("replaying round %d (its state snapshot was not written before the restart)", k)
+            self.train_round(k, replay=True)
+
+    def snapshot_state(self, r: int, opt_tensors: dict | None) -> None:
+        """Write the optimizer moments (+ residual) of round r to state_dir in the background, then point state.json
+        at them. The next round joins it before training (the tensors must not change while being written)."""
+        paths, w = self.paths, self.w
+        if opt_tensors is None:
+            opt_tensors = self.trainer.optimizer_tensors()
+        tensors = dict(opt_tensors)
+        if self.residual is not None:
+            tensors.update(self.residual.tensors())
+        extra = self.trainer.extra_state()
+        position = self.sampler.position
+        opt_file = f"opt-r{r:06d}.safetensors"
+        on_base = not self.cfg.outer.state_dir
+
+        def job() -> None:
+            try:
+                save_streaming(self.state_dir / opt_file, tensors)
+                self.state.update(opt_file=opt_file, opt_round=r, opt_position=position, opt_extra=extra)
+                atomic_write_json(paths.worker_state(w), self.state)
+                for old in self.state_dir.glob("opt-r*.safetensors"):
+                    if old.name != opt_file:
+                        old.unlink(missing_ok=True)
+                if on_base:
+                    self.io["written"] += (self.state_dir / opt_file).stat().st_size
+            except BaseException as e:  # surfaced by the next join
+                self._snapshot_error = e
+
+        self._snapshot = threading.Thread(target=job, name="state-snapshot", daemon=True)
+        self._snapshot.start()
+
+    def join_snapshot(self) -> None:
+        if self._snapshot is not None:
+            self._snapshot.join()
+            self._snapshot = None
+        if self._snapshot_error is not None:
+            e, self._snapshot_error = self._snapshot_error, None
+            raise e
+
+    def load_optimizer(self, opt_file: Path, extra: dict) -> None:
         """Rank 0 reads the saved AdamW state; in a group every rank gets it by broadcast."""
         if not self.dist.enabled:
-            self.trainer.load_state(opt_file, self.state)
+            self.trainer.load_state(opt_file, extra)
             return
-        tensors = dict(iter_tensors(opt_file)) if self.dist.main else {}
+        tensors = {k: t for k, t in iter_tensors(opt_file) if not k.startswith("residual::")} \
+            if self.dist.main else {}
         specs = broadcast_json({k: list(t.shape) for k, t in tensors.items()}, self.dist, self.device)
         full = {k: broadcast_full(tensors.get(k), shape, torch.float32, self.dist, self.device)
                 for k, shape in specs.items()}
-        self.trainer.set_optimizer_tensors(full, self.state)
+        self.trainer.set_optimizer_tensors(full, extra)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -162,6 +263,7 @@ class Worker:
         while True:
             r = self.paths.latest_committed()
             if r >= rounds:
+                self.join_snapshot()
                 log.info("round %d committed: the run is complete", r)
                 self.hb.beat(force=True, status="done", round=r)
                 broadcast_json(None, self.dist, self.device)
@@ -174,34 +276,41 @@ class Worker:
             broadcast_json(r, self.dist, self.device)
             self.train_round(r)
 
-    def load_global(self, global_dir: Path) -> dict[str, torch.Tensor]:
-        """θ_r into the model (rank 0 reads it; the other ranks get it by broadcast); θ_r's CPU copies on rank 0."""
+    def load_global(self, r: int) -> dict[str, torch.Tensor]:
+        """θ_r into the model (rank 0 brings its copy to round r — the full file without compression, else the
+        logged updates — and the other ranks get it by broadcast); returns rank 0's float32 CPU copy of θ_r."""
+        theta: dict[str, torch.Tensor] = {}
+        if self.dist.main:
+            self.theta.advance_to(r)
+            self.io["read"] += self.theta.take_bytes()
+            theta = self.theta.tensors
+            if set(theta) != set(self.trainer.params):
+                raise ProtocolError(f"round {r}: tensors {sorted(set(theta) ^ set(self.trainer.params))[:5]} of the "
+                                    f"global model do not match the model's parameters")
         if not self.dist.enabled:
-            return load_weights_into(self.trainer.model, global_dir)  # CPU copies of θ_r, model updated in place
-        theta = dict(iter_tensors(global_dir / WEIGHTS)) if self.dist.main else {}
-        if self.dist.main and set(theta) != set(self.trainer.params):
-            raise ProtocolError(f"{global_dir}: tensors {sorted(set(theta) ^ set(self.trainer.params))[:5]} do not "
-                                f"match the model's parameters")
+            self.theta.load_into(self.trainer.model)
+            return theta
         with torch.no_grad():
             for name, p in self.trainer.params.items():
                 load_full(p, broadcast_full(theta.get(name), p.shape, torch.float32, self.dist, self.device))
         return theta
 
-    def train_round(self, r: int) -> None:
+    def train_round(self, r: int, replay: bool = False) -> None:
         cfg, paths = self.cfg, self.paths
         H = cfg.outer.local_steps
-        t0 = time.perf_counter()
-        global_dir = paths.global_dir(r)
-        theta_r = self.load_global(global_dir)
-        t_load = time.perf_counter() - t0
         main = self.dist.main
+        if main:
+            self.join_snapshot()  # the moments of the last round are on disk before they change
+        t0 = time.perf_counter()
+        theta_r = self.load_global(r)
+        t_load = time.perf_counter() - t0
 
         def on_step(i: int, loss) -> None:
             if main:
-                self.hb.beat(status="training", round=r, step=i + 1, steps=H, loss=loss)
+                self.hb.beat(status="replaying" if replay else "training", round=r, step=i + 1, steps=H, loss=loss)
 
         if main:
-            self.hb.beat(force=True, status="training", round=r, step=0, steps=H)
+            self.hb.beat(force=True, status="replaying" if replay else "training", round=r, step=0, steps=H)
         stats = self.trainer.train_steps(self.batches.next_batch, H, on_step)
         if self.dist.enabled:
             # FSDP2 shards are gathered (a collective: every rank takes part); DDP copies are already whole.
@@ -211,34 +320,38 @@ class Worker:
                 return
         else:
             params, opt_tensors = dict(self.trainer.model.named_parameters()), None
-        order = sorted(read_header(global_dir / WEIGHTS)[0].items(), key=lambda kv: kv[1]["data_offsets"][0])
-        names = [n for n, _ in order]
-        log.info("round %d: %d steps, loss %.4f (last %.4f), %.0f tok/s", r, H, stats["loss"], stats["last_loss"],
-                 stats["tokens"] / max(stats["seconds"], 1e-9))
+        log.info("round %d: %d steps, loss %.4f (last %.4f), %.0f tok/s%s", r, H, stats["loss"], stats["last_loss"],
+                 stats["tokens"] / max(stats["seconds"], 1e-9), " (replay)" if replay else "")
 
         # Δ = θ_r − θ_w, in the order of the global file so the reducer reads every file sequentially.
-        file = write_delta(paths.worker_pending_delta(self.w, r), names, theta_r, params, cfg.outer.delta_dtype,
-                           r, self.w)
+        pending = paths.worker_pending_delta(self.w, r)
+        if replay:
+            pending = pending.with_name(f".replay-{pending.name}")
+        file = write_delta(pending, self.theta.names, theta_r, params, self.delta_codec, r, self.w, self.residual)
+        if replay:
+            pending.unlink(missing_ok=True)
+            published = self.state["sidecar"]["sha256"] if self.state["round_done"] == r else None
+            if published is not None and published != file["sha256"]:
+                log.warning("round %d: the replayed delta differs from the published one (non-deterministic "
+                            "kernels?); the state goes on from the replay", r)
+            self.snapshot_state(r, opt_tensors)
+            return
         if not file["finite"]:
             log.error("round %d: the delta has non-finite values (diverged?); publishing it anyway so the reducer "
                       "rejects it visibly", r)
+        self.io["written"] += file["bytes"]
         sidecar = delta_sidecar(r, self.w, file, inner_steps=H, tokens=stats["tokens"], loss=stats["loss"],
                                 last_loss=stats["last_loss"], train_seconds=stats["seconds"], load_seconds=t_load,
                                 processes=self.dist.world)
-        # Our resume point: optimizer state, data position, schedule step, and the sidecar to publish.
-        opt_file = paths.worker_opt(self.w, r)
-        if opt_tensors is None:
-            extra = self.trainer.save_state(opt_file)
-        else:
-            save_streaming(opt_file, opt_tensors)
-            extra = self.trainer.extra_state()
-        self.state = {"round_done": r, "position": self.sampler.position, "opt_file": opt_file.name,
-                      "sidecar": sidecar, **extra}
+        sidecar["io"], self.io = self.io, {"read": 0, "written": 0}
+        sidecar["position"] = self.sampler.position
+        # Our resume point (small, synchronous): the round is done and what to publish; the moments and residual
+        # follow in the background (snapshot_state), and a restart replays the rounds they missed.
+        self.state.update(round_done=r, position=self.sampler.position, sidecar=sidecar,
+                          **self.trainer.extra_state())
         atomic_write_json(paths.worker_state(self.w), self.state)
-        for old in paths.worker_dir(self.w).glob("opt-r*.safetensors"):
-            if old.name != opt_file.name:
-                old.unlink(missing_ok=True)
         self.publish_pending(r)
+        self.snapshot_state(r, opt_tensors)
 
     def publish_pending(self, r: int) -> None:
         """Move our saved delta of round r into rounds/r/deltas/ and write its sidecar (idempotent)."""
@@ -261,11 +374,9 @@ class Worker:
             return
         log.info("round %d: published delta (%.1f MB)", r, self.state["sidecar"]["bytes"] / 1e6)
 
-
 def main(argv: list[str] | None = None) -> int:
     from train.core.entry import worker_main
     return worker_main("diloco", Worker, __doc__.split("\n")[0], argv)
-
 
 if __name__ == "__main__":
     from train.core.errors import run_main

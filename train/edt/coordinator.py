@@ -9,28 +9,44 @@ The coordinator is light (it never trains; a merge holds about one tensor per in
 generation folders' jobs, genomes and markers, so it may run on any host. Rerunning it after a crash resumes at
 the last committed generation: results already published are used as they are, and an uncommitted next
 generation is rebuilt identically (selection and DNA draws are seeded by (seed, generation)).
+
+Dead workers (docs/elastic.md): a job whose worker is gone — its heartbeat lease says exited / left, its process is
+gone on this host, or its beat stopped for outer.dead_after_s (train/exchange/membership.py) — is re-queued at
+once, without waiting for edt.job_lease_s. A job abandoned edt.max_attempts times (it keeps killing workers) does
+not stop the generation: its slot is refilled by selection, a copy of a tournament-selected finished member of
+the same generation (weights, optimizer state and the pre-mutation weights a crossover needs), recorded with
+`refilled: true`, the reason and `copy_of` in result.json, genome.json, lineage.jsonl and the metrics record.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import shutil
+import socket
 import time
+import uuid
 
 from train.core.config import ConfigError, RunConfig
 from train.core.data import TokenData, prepare_data
 from train.edt.breed import (Member, breed, load_job, population_size, write_initial_population)
 from train.edt.modes import mode_of
-from train.edt.store import EDTPaths, lease_age, member_id, requeue, server_now, stale_count, write_committed
-from train.core.evolution import fitness_function, rank_order
+from train.edt.store import (EDTPaths, lease_age, member_id, publish_once, read_claim, requeue, server_now,
+                             stale_count, tmp_member_dir, write_committed)
+from train.core.evolution import fitness_function, generation_rng, rank_order, rank_pick, tournament
+from train.exchange.membership import Membership, local_pid_alive
 from train.core.logs import make_metric_logger
 from train.core.model import WEIGHTS, build_model, check_model_fits, load_tokenizer
 from train.core.store import (MANIFEST, ProtocolError, append_jsonl, atomic_publish_dir, atomic_write_json,
                               ensure_run_manifest, exclusive_lock, new_tmp_dir, prepare_run_dir, read_json, read_jsonl,
                               verify_manifest, write_manifest)
 from train.core.tensorio import read_header
+from train.merge.crossover import ParentFiles
 
 log = logging.getLogger("edt-coordinator")
+
+REFILL_WORKER = -1  # the worker id of the coordinator's own claim on a job whose slot it refills
 
 
 def run_identity(cfg: RunConfig) -> dict:
@@ -71,6 +87,8 @@ class EDTCoordinator:
             write_initial_population(cfg, paths, mode_of(cfg).breeding(cfg))
             write_committed(paths, 0, {"population": self.P, "bytes_read": 0, "bytes_written": 0})
         self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
+        self.liveness = Membership(paths, cfg.outer.num_workers, cfg.outer)  # workers' leases, from now on
+        self._refill_wait: set[tuple[int, int]] = set()
         self._ready = True
 
     def _setup_evomerge(self, latest: int | None) -> None:
@@ -144,23 +162,120 @@ class EDTCoordinator:
         return total
 
     def check_leases(self, g: int, done: set[int]) -> None:
+        """Re-queue jobs whose worker is gone (its heartbeat) or whose claim's lease expired; refill the slots of
+        jobs abandoned edt.max_attempts times."""
         now = server_now(self.paths, g)
+        gone = self.liveness.gone()
+        ec = self.cfg.edt
         for m in range(self.P_of(g)):
             if m in done:
                 continue
+            claim = read_claim(self.paths, g, m)
+            if claim and claim.get("worker") == REFILL_WORKER:
+                self.refill(g, m, claim.get("reason", "abandoned"))
+                continue
+            why = self._holder_gone(claim, gone) if claim else None
             age = lease_age(self.paths, g, m, now)
-            if age is not None and age > self.cfg.edt.job_lease_s:
-                n = requeue(self.paths, g, m, f"lease expired ({age:.0f}s without renewal)")
-                log.warning("generation %d: job m%03d re-queued, its worker stopped renewing the lease "
-                            "(attempt %d of %d)", g, m, n, self.cfg.edt.max_attempts)
-            if stale_count(self.paths, g, m) >= self.cfg.edt.max_attempts:
-                raise RuntimeError(f"generation {g}: job m{m:03d} was abandoned {self.cfg.edt.max_attempts} times "
-                                   f"(see {self.paths.jobs_dir(g)} and the worker logs); fix the cause and rerun")
+            if why is None and age is not None and age > ec.job_lease_s:
+                why = f"lease expired ({age:.0f}s without renewal)"
+            if why is not None and read_claim(self.paths, g, m) == claim:
+                n = requeue(self.paths, g, m, why)
+                log.warning("generation %d: job m%03d re-queued: %s (attempt %d of %d)", g, m, why, n,
+                            ec.max_attempts)
+            n = stale_count(self.paths, g, m)
+            if n >= ec.max_attempts:
+                self.refill(g, m, f"job abandoned {n} times (edt.max_attempts = {ec.max_attempts})")
+
+    def _holder_gone(self, claim: dict, gone: dict[int, str]) -> str | None:
+        """Why the process holding `claim` is gone (None: it may be alive). Its worker's lease says so, or the
+        claim names this host and a pid that no longer runs."""
+        w = claim.get("worker")
+        if w in gone:
+            return f"worker {w} is gone ({gone[w]})"
+        pid = claim.get("pid")
+        if claim.get("host") == socket.gethostname() and isinstance(pid, int) and not local_pid_alive(pid):
+            return f"worker {w}'s process {pid} is gone on this host"
+        return None
+
+    # -- refilling a slot by selection ----------------------------------------------------------------------------
+    def refill(self, g: int, m: int, why: str) -> bool:
+        """Fill slot m of generation g with a copy of a finished member of g chosen by edt.selection (seeded by
+        (seed, g, m)), instead of stopping the run. The coordinator first holds the job's claim (a worker still
+        on it loses its lease); without a finished member to copy yet it keeps the claim and tries again at the
+        next check. Returns True once the slot is filled."""
+        paths, cfg = self.paths, self.cfg
+        if paths.has_result(g, m):
+            return True
+        claim = read_claim(paths, g, m)
+        if not claim or claim.get("worker") != REFILL_WORKER:
+            if claim is not None:
+                requeue(paths, g, m, f"refilled by selection: {why}")
+            if not self._hold_claim(g, m, why):
+                return False  # a worker claimed it in between: the next check decides again
+            log.warning("generation %d: slot m%03d will be refilled by selection: %s", g, m, why)
+        done = [mb for mb in (self.load_member(g, k) for k in range(self.P_of(g)) if k != m and paths.has_result(g, k))
+                if math.isfinite(mb.fitness) and not mb.result.get("refilled")]
+        if not done:
+            if (g, m) not in self._refill_wait:
+                log.warning("generation %d: slot m%03d waits for a finished member to copy", g, m)
+                self._refill_wait.add((g, m))
+            return False
+        rng = generation_rng(cfg.seed, g, 1000 + m)
+        fit = [mb.fitness for mb in done]
+        src = done[tournament(fit, cfg.edt.tournament_size, rng) if cfg.edt.selection == "tournament" else
+                   rank_pick(fit, rng)]
+        attempt = f"refill-{uuid.uuid4().hex[:8]}"
+        tmp = tmp_member_dir(paths, g, m, attempt)
+        try:
+            nbytes = 0
+            for f in src.dir.iterdir():
+                if f.is_file() and f.name not in (MANIFEST, "result.json", "genome.json"):
+                    shutil.copy2(f, tmp / f.name)
+                    nbytes += f.stat().st_size
+            for f in (WEIGHTS, "outer_momentum.safetensors"):  # what a crossover reads as the parent's base
+                pre = paths.job_dir(g, src.m) / f
+                if pre.is_file():
+                    shutil.copy2(pre, tmp / f"pre-{f}")
+                    nbytes += pre.stat().st_size
+            job = load_job(paths, g, m)
+            genome = {**src.genome, "id": member_id(g, m), "member": m, "elite": False, "refilled": True,
+                      "refill_reason": why, "copy_of": src.id, "replaced": job["genome"].get("parents", [])}
+            result = {**src.result, "generation": g, "member": m, "attempt": attempt, "worker": None,
+                      "refilled": True, "refill_reason": why, "copy_of": src.id, "genome": genome, "steps": 0,
+                      "tokens": 0, "train_loss": None, "position": job["position"], "bytes_read": nbytes,
+                      "bytes_written": nbytes, "time": time.time()}
+            atomic_write_json(tmp / "result.json", result)
+            write_manifest(tmp)
+            published = publish_once(tmp, paths.member_dir(g, m))
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        if read_claim(paths, g, m) is not None:
+            paths.claim(g, m).unlink(missing_ok=True)
+        self._refill_wait.discard((g, m))
+        if published:
+            log.warning("generation %d: slot m%03d refilled by selection: a copy of %s (fitness %.4g); reason: %s",
+                        g, m, src.id, src.fitness, why)
+        return True
+
+    def _hold_claim(self, g: int, m: int, why: str) -> bool:
+        """The coordinator's own claim on job (g, m) (O_EXCL, like a worker's): no worker takes the job again."""
+        try:
+            fd = os.open(self.paths.claim(g, m), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump({"worker": REFILL_WORKER, "pid": os.getpid(), "host": socket.gethostname(),
+                       "attempt": f"refill-{g}-{m}", "reason": why, "time": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
 
     # -- evaluation of one generation -----------------------------------------------------------------------------
     def load_member(self, g: int, m: int) -> Member:
         paths = self.paths
         job = load_job(paths, g, m)
+        genome = job["genome"]
         try:
             verify_manifest(paths.member_dir(g, m), check_hashes=False)
             result = read_json(paths.result(g, m))
@@ -171,10 +286,13 @@ class EDTCoordinator:
             if want != got:
                 raise ProtocolError("tensor names or shapes differ from the job's model")
             fitness = float(self.fitness(result)) if result.get("finite", True) else float("-inf")
+            if result.get("refilled"):
+                genome = result["genome"]
         except (ProtocolError, OSError, ValueError) as e:
             log.error("generation %d: member m%03d rejected (%s): it takes no part in selection", g, m, e)
             result, fitness = {"rejected": str(e), "position": job["position"]}, float("-inf")
-        return Member(g, m, job["genome"], result, fitness if math.isfinite(fitness) else float("-inf"), paths)
+        cls = RefilledMember if result.get("refilled") else Member
+        return cls(g, m, genome, result, fitness if math.isfinite(fitness) else float("-inf"), paths)
 
     def collect(self, g: int) -> list[Member]:
         """Fitness of every member of g; genome.json per member; lineage.jsonl and metrics.jsonl (once each)."""
@@ -187,6 +305,9 @@ class EDTCoordinator:
                       "tokens": mb.result.get("tokens"), "path": paths.rel(mb.dir)}
             if "scores" in mb.result:  # EvoMerge: per-task scores, kept in the lineage for the report
                 genome["scores"] = mb.result["scores"]
+            if mb.result.get("refilled"):  # a copy of another member (the slot's job kept failing)
+                genome.update(refilled=True, refill_reason=mb.result.get("refill_reason"),
+                              copy_of=mb.result.get("copy_of"))
             if mb.dir.is_dir():
                 atomic_write_json(paths.genome(g, mb.m), genome)
             if mb.id not in logged:
@@ -224,6 +345,7 @@ class EDTCoordinator:
             "bytes_total": (prev[-1].get("bytes_total", 0) if prev else 0) + w_bytes + c_bytes,
             "crossover_s": commit.get("crossover_s"),
             "requeued": sum(stale_count(self.paths, g, mb.m) for mb in members),
+            "refilled": {f"m{mb.m:03d}": mb.result.get("refill_reason") for mb in members if mb.result.get("refilled")},
             **({"scores": {f"m{mb.m:03d}": mb.result.get("scores") for mb in members}}
                if any("scores" in mb.result for mb in members) else {}),
         }
@@ -355,6 +477,15 @@ class EDTCoordinator:
         if self.cfg.logging.plot:
             plot_report(rep, self.paths.root / "evomerge_report.png", title=self.cfg.project_name)
         log.info("EvoMerge report (%s):\n%s", self.paths.root / "evomerge_report.md", md)
+
+
+class RefilledMember(Member):
+    """A slot refilled by selection: a copy of another member, whose pre-mutation weights and outer momentum (what
+    a crossover reads as this parent's base) were copied beside its weights."""
+
+    def files(self) -> ParentFiles:
+        return ParentFiles(pre=self.dir / f"pre-{WEIGHTS}", mutated=self.dir / WEIGHTS,
+                           momentum=self.dir / "pre-outer_momentum.safetensors")
 
 
 def _fmt(x) -> str:

@@ -11,7 +11,9 @@ One job = one member of one generation (generations/gXXX/jobs/mYYY/, written by 
   5. publish members/mYYY/ whole (model, optimizer state, result.json with the new data position, MANIFEST.json)
      by one create-once rename: if two attempts of a re-queued job finish, exactly one is kept
 Any number of workers serve any population size: free workers take whatever job is unclaimed. A worker that dies
-leaves a claim whose lease expires; the coordinator re-queues it (a restarted worker re-queues its own at once).
+leaves a claim that the coordinator re-queues as soon as the worker's heartbeat says it is gone (or the claim's
+lease expires; a restarted worker re-queues its own at once). SIGTERM = leave: the worker drops the job it runs
+(its claim is released, the job queued for another worker) at the next inner step and exits 0.
 """
 from __future__ import annotations
 
@@ -112,7 +114,7 @@ class EDTWorker:
         log.info("waiting for the EDT coordinator to commit generation 0 in %s", paths.root)
         self.hb.beat(force=True, status="waiting for generation 0")
         from transformers import AutoModelForCausalLM  # noqa: F401  (slow first import, overlapped with the wait)
-        wait_for(lambda: paths.latest_generation() is not None, None, self.poll)
+        wait_for(lambda: paths.latest_generation() is not None, None, self.poll, on_poll=self.hb.leave_point)
         run = read_json(paths.run_json)
         if run.get("protocol") != PROTOCOL_VERSION:
             raise ProtocolError(f"{paths.run_json}: protocol {run.get('protocol')}, this worker speaks "
@@ -128,15 +130,17 @@ class EDTWorker:
         self.setup()
         released_old = set()
         while True:
+            self.hb.leave_point()  # SIGTERM: leave here, holding no claim (train/core/heartbeat.py)
             if self.run_is_done():
                 log.info("the run is complete (%s)", self.paths.done)
                 self.hb.beat(force=True, status="done")
                 return
             g = self.paths.latest_generation()
-            if g not in released_old:
-                self.release_predecessor_claims(g)
-                released_old.add(g)
-            job = self.claim_next(g)
+            with self.hb.busy():  # a claim is written whole before a SIGTERM can end us
+                if g not in released_old:
+                    self.release_predecessor_claims(g)
+                    released_old.add(g)
+                job = self.claim_next(g)
             if job is None:
                 self.hb.beat(status="waiting for a job", generation=g)
                 time.sleep(self.poll)

@@ -18,7 +18,8 @@ import torch
 
 from train.core.model import WEIGHTS
 from train.core.store import PROTOCOL_VERSION, RunPaths, atomic_write_json, read_json
-from train.core.tensorio import DTYPE_BY_NAME, StreamingWriter, read_header
+from train.core.tensorio import StreamingWriter, read_header
+from train.exchange.codec import Codec, CodecError, Residual, get_codec
 
 # every sidecar has these; the reducer refuses one that lacks any
 SIDECAR_REQUIRED = ("round", "worker", "tokens", "sha256", "bytes", "inner_steps", "loss")
@@ -32,18 +33,26 @@ class RejectedDelta(Exception):
 
 @torch.no_grad()
 def write_delta(path: Path, names: list[str], theta_r: Mapping[str, torch.Tensor],
-                params: Mapping[str, torch.Tensor], delta_dtype: str, r: int, w: int) -> dict:
-    """Stream Δ = θ_r − θ_w to `path` tensor by tensor (in `names` order, the global file's); returns the sidecar's
-    file fields {sha256, bytes, dtype, finite}."""
-    dtype = DTYPE_BY_NAME[delta_dtype]
-    specs = {n: (dtype, tuple(theta_r[n].shape)) for n in names}
+                params: Mapping[str, torch.Tensor], codec: "Codec | str", r: int, w: int,
+                residual: Residual | None = None) -> dict:
+    """Stream Δ = θ_r − θ_w to `path` tensor by tensor (in `names` order, the global file's), encoded with `codec`
+    (a Codec, or a dtype name: float32, bfloat16, float16); with `residual`, error feedback: what the codec loses
+    is carried into the next round's delta. Returns the sidecar's file fields {sha256, bytes, dtype, codec, finite}."""
+    codec = get_codec(codec) if isinstance(codec, str) else codec
+    specs: dict = {}
+    for n in names:
+        specs.update(codec.specs(n, tuple(theta_r[n].shape)))
     finite = True
-    with StreamingWriter(path, specs, metadata={"round": str(r), "worker": str(w)}) as wr:
+    with StreamingWriter(path, specs, metadata={"round": str(r), "worker": str(w), **codec.metadata()}) as wr:
         for n in names:
-            d = (theta_r[n] - params[n].detach().to("cpu", torch.float32)).to(dtype)
+            d = theta_r[n] - params[n].detach().to("cpu", torch.float32)
             finite = finite and bool(torch.isfinite(d).all())
-            wr.write(n, d)
-    return {"sha256": wr.sha256, "bytes": wr.nbytes, "dtype": delta_dtype, "finite": finite}
+            stored = residual.send(n, d)[0] if residual is not None else codec.encode(n, d)
+            for k, t in stored.items():
+                wr.write(k, t)
+    dtype = "float32" if codec.lossless else codec.name
+    return {"sha256": wr.sha256, "bytes": wr.nbytes, "dtype": dtype, "codec": codec.name, "block": codec.block,
+            "finite": finite}
 
 
 def delta_sidecar(r: int, w: int, file: dict, *, inner_steps: int, tokens: int, loss: float | None,
@@ -52,7 +61,8 @@ def delta_sidecar(r: int, w: int, file: dict, *, inner_steps: int, tokens: int, 
     """The sidecar of worker w's delta of round r; `file` is what write_delta returned."""
     return {"protocol": PROTOCOL_VERSION, "round": r, "worker": w, "inner_steps": inner_steps, "tokens": tokens,
             "loss": loss, "last_loss": last_loss, "sha256": file["sha256"], "bytes": file["bytes"],
-            "dtype": file["dtype"], "host": socket.gethostname(), "train_seconds": train_seconds,
+            "dtype": file["dtype"], "codec": file.get("codec", file["dtype"]), "host": socket.gethostname(),
+            "train_seconds": train_seconds,
             "load_seconds": load_seconds, "processes": processes, "time": time.time()}
 
 
@@ -61,8 +71,9 @@ def publish_sidecar(paths: RunPaths, sidecar: dict) -> None:
     atomic_write_json(paths.delta_meta(sidecar["round"], sidecar["worker"]), sidecar)
 
 
-def check_sidecar(paths: RunPaths, r: int, w: int, delta_dtype: str) -> dict:
-    """Cheap checks before reading tensors: sidecar fields, round, worker, size, header shapes and dtypes."""
+def check_sidecar(paths: RunPaths, r: int, w: int, codec: "Codec | str") -> dict:
+    """Cheap checks before reading tensors: sidecar fields, round, worker, size, and the header against the codec
+    (`codec`: a Codec or a dtype name) and the global model's shapes."""
     try:
         meta = read_json(paths.delta_meta(r, w))
     except (OSError, ValueError) as e:
@@ -84,19 +95,15 @@ def check_sidecar(paths: RunPaths, r: int, w: int, delta_dtype: str) -> dict:
     if f.stat().st_size != meta["bytes"]:
         raise RejectedDelta(w, f"file has {f.stat().st_size} bytes, sidecar says {meta['bytes']}")
     try:
-        header, _ = read_header(f)
+        header, fmeta = read_header(f)
     except (ValueError, OSError) as e:
         raise RejectedDelta(w, f"not a safetensors file ({e})")
-    expect = read_header(paths.global_dir(r) / WEIGHTS)[0]
-    if set(header) != set(expect):
-        diff = sorted(set(header) ^ set(expect))
-        raise RejectedDelta(w, f"tensor names differ from the global model (e.g. {diff[:3]})")
-    want = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[DTYPE_BY_NAME[delta_dtype]]
-    for name, info in header.items():
-        if info["shape"] != expect[name]["shape"]:
-            raise RejectedDelta(w, f"{name}: shape {info['shape']}, global model has {expect[name]['shape']}")
-        if info["dtype"] != want:
-            raise RejectedDelta(w, f"{name}: dtype {info['dtype']}, expected {want} (the run's delta dtype)")
+    codec = get_codec(codec) if isinstance(codec, str) else codec
+    g, _ = read_header(paths.global_dir(0) / WEIGHTS)
+    try:
+        codec.check_header(header, {n: tuple(i["shape"]) for n, i in g.items()}, fmeta)
+    except CodecError as e:
+        raise RejectedDelta(w, str(e))
     return meta
 
 
@@ -109,13 +116,19 @@ def round_record(r: int, ok: list[int], metas: dict[int, dict], rejected: dict[i
     train_loss = (sum(losses[w] * metas[w]["tokens"] for w in ok) / tokens
                   if tokens and all(isinstance(v, (int, float)) for v in losses.values()) else None)
     prev = prev or {}
+    # what the workers read and wrote on BASE_DIR for this round (their sidecars' `io`; older sidecars lack it:
+    # then the delta file is all they are known to have written)
+    wread = sum(int((metas[w].get("io") or {}).get("read", 0)) for w in ok)
+    wwritten = sum(int((metas[w].get("io") or {}).get("written", metas[w]["bytes"])) for w in ok)
     return {"round": r + 1, "time": time.time(), "train_loss": train_loss,
             "worker_loss": {f"w{w:03d}": v for w, v in losses.items()},
             "tokens": prev.get("tokens", 0) + tokens,
             "inner_steps": prev.get("inner_steps", 0) + max(metas[w]["inner_steps"] for w in ok),
             "workers_used": ok, "missing": missing, "rejected": {f"w{w:03d}": why for w, why in rejected.items()},
             "bytes_read": io["bytes_read"], "bytes_written": io["bytes_written"],
-            "bytes_deltas": sum(metas[w]["bytes"] for w in ok), **timings}
+            "bytes_deltas": sum(metas[w]["bytes"] for w in ok),
+            "worker_bytes_read": wread, "worker_bytes_written": wwritten,
+            "bytes_total": io["bytes_read"] + io["bytes_written"] + wread + wwritten, **timings}
 
 
 def commit(paths: RunPaths, r: int, record: dict) -> None:

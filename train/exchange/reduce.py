@@ -141,9 +141,14 @@ def validate_and_reduce(paths: RunPaths, r: int, workers: list[int], *, delta_dt
 
 
 def prune_rounds(paths: RunPaths, latest: int, keep: int) -> None:
-    """Delete rounds older than the last `keep` committed ones (θ_0 stays: it is the run's template)."""
+    """Delete rounds older than the last `keep` committed ones, but never those a process needs to rebuild θ_latest
+    and the outer state: the last fp32 checkpoint <= latest and every round after it (with compression, updates
+    and deltas since the checkpoint; without, every round is one). θ_0 stays: it is the run's template."""
+    floor = latest - keep + 1
+    checkpoints = [c for c in paths.committed_rounds() if c <= latest and paths.is_checkpoint(c)]
+    floor = min(floor, max(checkpoints, default=0))
     for r in paths.committed_rounds():
-        if r <= latest - keep and r != 0:
+        if r < floor and r != 0:
             d = paths.round_dir(r)
             trash = d.with_name(f".{d.name}.deleting")
             try:
@@ -151,6 +156,6 @@ def prune_rounds(paths: RunPaths, latest: int, keep: int) -> None:
                 shutil.rmtree(trash, ignore_errors=True)
             except OSError:
                 pass
-        elif r == 0 and latest - keep >= 0:
+        elif r == 0 and floor > 0:
             # θ_0 stays: workers build the architecture from its config; its deltas can go.
             shutil.rmtree(paths.deltas_dir(0), ignore_errors=True)

@@ -3,15 +3,18 @@
 The SSH launcher (launch_to_machines.py) runs `python -m train.launch.remote <command> ...` on each host, in the
 project checkout, with the machine's interpreter; the last stdout line `EDT-JSON <json>` is the answer.
 
-    start     --config C [--set K=V] --machine LABEL --role worker-000 [--check S] -- ARGV...
+    start     --config C [--set K=V] --machine LABEL --role worker-000 [--check S] [--max-restarts N] -- ARGV...
               Start ARGV detached (own session = own process group, stdin /dev/null, stdout+stderr appended to
               logs/<role>.log) and record it atomically in launch/<role>.json (host, pid, pgid, log, command, start
-              time, the process's kernel start time). A live process already recorded for the role is reused, never
+              time, the process's kernel start time). A worker role runs under its supervisor (train/launch/procs.py,
+              the simulators' own: restarted up to N times, default outer.max_restarts; the supervisor leads the
+              process group, the worker is in it). A live process already recorded for the role is reused, never
               doubled. Fails when the process exits within S seconds (with the log's tail).
     status    ... --machine LABEL [--role R ...]   the roles' state, pid, last log line, round / generation
     logs      ... --role R ... [--lines N] [--follow [--for S]]   `role<TAB>line`; follow ends on stdin EOF
     stop      ... --machine LABEL [--role R ...] [--grace S]  SIGTERM (then SIGKILL) exactly the recorded process
-              groups of this machine; a record whose pid now belongs to another process is left alone.
+              groups of this machine (a supervisor and its worker together: the worker leaves, nothing restarts);
+              a record whose pid now belongs to another process is left alone.
     preflight ... [--write-token T | --read-token T | --remove-token T]   interpreter, torch, transformers, GPUs,
               config and code fingerprints, and the shared-BASE_DIR token test.
 Records and logs live under BASE_DIR/<project>/launch/ and logs/. Nothing here imports torch except preflight.
@@ -33,6 +36,7 @@ from pathlib import Path
 
 from train.core.config import ConfigError, load_config
 from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, sha256_file
+from train.launch.procs import supervised_argv
 
 MARK = "EDT-JSON "
 
@@ -116,8 +120,11 @@ def tail(path: Path, n: int) -> list[str]:
 
 
 # -- commands ---------------------------------------------------------------------------------------------------------
-def cmd_start(a, paths: RunPaths) -> int:
+def cmd_start(a, paths: RunPaths, cfg) -> int:
     role = a.role[0]
+    restarts = a.max_restarts if a.max_restarts >= 0 else cfg.outer.max_restarts
+    argv = supervised_argv(sys.executable, a.argv, restarts, role.replace("-", " ")) if role.startswith("worker-") \
+        else list(a.argv)
     rec_file, log_file = record_path(paths, role), log_path(paths, role)
     rec_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -136,14 +143,15 @@ def cmd_start(a, paths: RunPaths) -> int:
                        f"{a.machine} ({socket.gethostname()}): {' '.join(a.argv)}\n".encode())
             logf.flush()
             try:
-                p = subprocess.Popen(a.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                      start_new_session=True, close_fds=True)
             except OSError as e:
                 return answer({"state": "failed", "error": f"cannot run {a.argv[0]!r}: {e}"}, 1)
         st = _stat(p.pid)
         rec = {"role": role, "machine": a.machine, "hostname": socket.gethostname(), "boot_id": boot_id(),
                "pid": p.pid, "pgid": p.pid, "proc_start": st[2] if st else None, "log": str(log_file),
-               "command": a.argv, "cwd": os.getcwd(), "started": time.time(), "launcher_pid": os.getpid()}
+               "command": a.argv, "cwd": os.getcwd(), "started": time.time(), "launcher_pid": os.getpid(),
+               "max_restarts": restarts if argv != a.argv else 0}
         atomic_write_json(rec_file, rec)
     deadline = time.monotonic() + a.check
     while time.monotonic() < deadline and p.poll() is None:
@@ -163,7 +171,10 @@ def progress_of(paths: RunPaths, role: str) -> dict:
         p = read_json(paths.worker_dir(int(role.split("-")[1])) / "progress.json")
     except (OSError, ValueError):
         return {}
-    return {k: p[k] for k in ("status", "round", "generation", "step", "steps", "loss", "time") if k in p}
+    out = {k: p[k] for k in ("status", "round", "generation", "step", "steps", "loss", "time", "beat") if k in p}
+    if p.get("last_status"):  # a final record: "left" / "exited" after what it was doing
+        out["status"] = f"{p['status']} ({p['last_status']})"
+    return out
 
 
 def cmd_status(a, paths: RunPaths, cfg) -> int:
@@ -302,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--machine", default="")
     ap.add_argument("--role", action="append", default=[])
     ap.add_argument("--check", type=float, default=2.0)
+    ap.add_argument("--max-restarts", type=int, default=-1, help="start: restarts of a worker (-1: the config's)")
     ap.add_argument("--grace", type=float, default=10.0)
     ap.add_argument("--lines", type=int, default=20)
     ap.add_argument("--follow", action="store_true")
@@ -322,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "start":
         if not a.argv or len(a.role) != 1:
             return answer({"error": "start needs one --role and the command after --"}, 2)
-        return cmd_start(a, paths)
+        return cmd_start(a, paths, cfg)
     if a.command == "status":
         return cmd_status(a, paths, cfg)
     if a.command == "stop":

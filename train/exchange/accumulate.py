@@ -1,0 +1,69 @@
+"""Reduce on arrival: the coordinator checks and adds each worker's delta of a round the moment it is published, so
+the work left after the last arrival (one delta, the outer step, the commit) does not grow with the number of workers.
+
+Each delta is read once (its bytes hashed against the sidecar's sha256 on the way), its header checked against the
+run's codec and the global model's shapes, its values checked (finite, scales >= 0), and only then decoded and added:
+a rejected delta leaves the sum untouched. The sum is kept in float64 with the raw token counts as weights
+(Σ_w tokens_w · Δ_w, divided once at the end), so the mean does not depend on the order in which deltas arrive
+(a float32 value times an integer token count is exact in float64, and a float64 sum of a few of them rounds to
+the same float32 whatever the order); with one worker the mean is exactly its delta.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from train.core.store import RunPaths
+from train.core.tensorio import read_header
+from train.exchange.codec import Codec, CodecError
+from train.exchange.protocol import RejectedDelta
+
+
+class Accumulator:
+    """Σ_w a_w Δ_w over the accepted deltas of round r (a_w = tokens, or 1 without token weighting)."""
+
+    def __init__(self, paths: RunPaths, r: int, shapes: dict[str, tuple], codec: Codec, token_weighted: bool):
+        self.paths, self.r, self.shapes, self.codec = paths, r, shapes, codec
+        self.token_weighted = token_weighted
+        self.sum: dict[str, torch.Tensor] = {}
+        self.total = 0.0
+        self.workers: list[int] = []      # in the order they were added
+        self.metas: dict[int, dict] = {}
+        self.bytes_read = 0
+
+    def add(self, w: int, meta: dict) -> None:
+        """Check worker w's delta (its sidecar already passed check_sidecar) and add it; RejectedDelta otherwise."""
+        f = self.paths.delta_file(self.r, w)
+        try:
+            data = f.read_bytes()
+        except OSError as e:
+            raise RejectedDelta(w, f"unreadable delta file ({e})")
+        self.bytes_read += len(data)
+        if len(data) != meta["bytes"]:
+            raise RejectedDelta(w, f"file has {len(data)} bytes, sidecar says {meta['bytes']} (truncated?)")
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise RejectedDelta(w, "sha256 of the file differs from its sidecar (torn or corrupt)")
+        try:
+            header, fmeta = read_header(f)
+            self.codec.check_header(header, self.shapes, fmeta)
+            stored = load_safetensors(data)
+            for n in self.shapes:
+                self.codec.check_values(n, stored)
+        except (CodecError, ValueError, OSError) as e:
+            raise RejectedDelta(w, str(e))
+        a = float(meta["tokens"]) if self.token_weighted else 1.0
+        for n, shape in self.shapes.items():
+            d = self.codec.decode(n, stored, shape).to(torch.float64)
+            if n in self.sum:
+                self.sum[n].add_(d, alpha=a)
+            else:
+                self.sum[n] = d.mul_(a)
+        self.total += a
+        self.workers.append(w)
+        self.metas[w] = meta
+
+    def mean(self, name: str) -> torch.Tensor:
+        """The weighted mean delta of one tensor, float32."""
+        return (self.sum[name] / self.total).to(torch.float32)

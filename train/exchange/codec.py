@@ -1,0 +1,205 @@
+"""How a tensor crosses BASE_DIR: the codecs of the exchange (pseudo-gradients one way, outer updates the other).
+
+A codec turns one float32 tensor into the tensors stored for it in a safetensors file and back:
+
+    none / float32   the tensor itself (4 bytes / value)
+    bfloat16, float16 a cast (2 bytes / value)
+    int8             block-wise absmax: per block of `block` values one float32 scale s = max|x| / 127 and int8
+                     codes round(x / s) in [-127, 127]           (1 + 4/block bytes / value)
+    int4             the same with codes in [-7, 7], two per byte  (0.5 + 4/block bytes / value)
+
+Stored names: `<name>` holds the codes (flat for int8/int4, the tensor's shape for casts) and `<name>::scale` the
+float32 scales. The file's metadata declares `codec` and `block`, and the reader refuses a file whose header does not
+match what the declared codec produces for the global model's shapes (a wrong block size, truncated codes, a missing
+scale) or whose scales are not finite and >= 0 — before any tensor reaches θ.
+
+Error bound (round to nearest): |x − decode(encode(x))| <= s / 2 = max|x over the block| / (2 · qmax) per value.
+Why absmax per block, not one scale per tensor: a pseudo-gradient has outlier rows (embeddings of frequent tokens,
+norm gains) 10-100x the typical value; a per-tensor scale spends the code range on them and rounds most values to
+0. Blocks of 64 keep the scale overhead at 6% for int8 (12% for int4) and cut the relative error several-fold
+against blocks of 1024 (bench/compression.py prints the measurement).
+
+Decoding is `codes.float() * scale` (one IEEE multiply per value, the same on every device), so every process that
+decodes the same file gets the same bits — what keeps every copy of θ identical (train/exchange/theta.py).
+
+Error feedback (`Residual`): a sender keeps what the codec lost and adds it to its next message, so the sum of what
+was sent tracks the sum of what was meant to be sent (it never drifts by more than one quantisation error).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+CODECS = ("none", "float32", "bfloat16", "float16", "int8", "int4")
+SCALE = "::scale"
+
+
+class CodecError(ValueError):
+    """A stored tensor does not match its declared codec (the message says what is wrong)."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    name: str            # one of CODECS ("none" is float32)
+    block: int = 64      # values per scale (int8 / int4)
+
+    # -- what is stored ----------------------------------------------------------------------------------------------
+    @property
+    def quantised(self) -> bool:
+        return self.name in ("int8", "int4")
+
+    @property
+    def lossless(self) -> bool:
+        return self.name in ("none", "float32")
+
+    @property
+    def qmax(self) -> int:
+        return {"int8": 127, "int4": 7}[self.name]
+
+    def metadata(self) -> dict[str, str]:
+        return {"codec": self.name, "block": str(self.block)}
+
+    def specs(self, name: str, shape: tuple) -> dict[str, tuple[torch.dtype, tuple]]:
+        """{stored name: (dtype, shape)} for a tensor `name` of `shape`, in file order."""
+        shape = tuple(shape)
+        if not self.quantised:
+            return {name: ({"none": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                            "float16": torch.float16}[self.name], shape)}
+        n = math.prod(shape)
+        nb = -(-n // self.block)
+        codes = (n,) if self.name == "int8" else ((n + 1) // 2,)
+        return {name: (torch.int8 if self.name == "int8" else torch.uint8, codes),
+                name + SCALE: (torch.float32, (nb,))}
+
+    def bytes_per_value(self) -> float:
+        if not self.quantised:
+            return {"none": 4, "float32": 4, "bfloat16": 2, "float16": 2}[self.name]
+        return (1.0 if self.name == "int8" else 0.5) + 4.0 / self.block
+
+    # -- encode / decode ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Stored tensors for float32 `x` (CPU or GPU; results on x's device)."""
+        if not self.quantised:
+            dtype, _ = self.specs(name, tuple(x.shape))[name]
+            return {name: x.to(dtype).contiguous()}
+        flat = x.reshape(-1).to(torch.float32)
+        n, B = flat.numel(), self.block
+        nb = -(-n // B)
+        padded = torch.nn.functional.pad(flat, (0, nb * B - n)).view(nb, B)
+        scale = padded.abs().amax(dim=1) / self.qmax
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        codes = torch.round(padded * inv.unsqueeze(1)).clamp_(-self.qmax, self.qmax)
+        codes = codes.reshape(-1)[:n].to(torch.int8)
+        if self.name == "int4":
+            codes = pack_int4(codes)
+        return {name: codes, name + SCALE: scale}
+
+    @torch.no_grad()
+    def decode(self, name: str, stored: Mapping[str, torch.Tensor], shape: tuple) -> torch.Tensor:
+        """float32 tensor of `shape` from the stored tensors (bit-identical on every device)."""
+        if not self.quantised:
+            return stored[name].to(torch.float32).reshape(shape)
+        n = math.prod(shape)
+        codes = stored[name]
+        if self.name == "int4":
+            codes = unpack_int4(codes, n)
+        scale = stored[name + SCALE].to(torch.float32)
+        B = self.block
+        nb = scale.numel()
+        vals = torch.nn.functional.pad(codes.to(torch.float32), (0, nb * B - n)).view(nb, B)
+        return (vals * scale.unsqueeze(1)).reshape(-1)[:n].reshape(shape)
+
+    # -- checking a file written by someone else -----------------------------------------------------------------------
+    def check_header(self, header: Mapping[str, dict], expect_shapes: Mapping[str, tuple], metadata: Mapping[str, str],
+                     ) -> None:
+        """Raise CodecError unless `header` (a safetensors header) is exactly what this codec stores for
+        `expect_shapes` and the metadata declares this codec and block size."""
+        from train.core.tensorio import _DTYPES
+
+        declared = metadata.get("codec")
+        if declared is None and self.quantised:
+            raise CodecError(f"the file does not declare its codec (expected {self.name})")
+        declared = declared or self.name  # a plain cast is self-describing (files of earlier writers)
+        if declared != self.name and not ({declared, self.name} <= {"none", "float32"}):
+            raise CodecError(f"the file declares codec {declared!r}, the run uses {self.name!r}")
+        if self.quantised and metadata.get("block") != str(self.block):
+            raise CodecError(f"the file declares block size {metadata.get('block')}, the run uses {self.block}")
+        want: dict[str, tuple] = {}
+        for n, s in expect_shapes.items():
+            want.update(self.specs(n, tuple(s)))
+        if set(header) != set(want):
+            diff = sorted(set(header) ^ set(want))
+            raise CodecError(f"tensor names differ from the global model's (e.g. {diff[:3]})")
+        what = f"the {self.name} codec" + (f" with block {self.block}" if self.quantised else "")
+        for k, (dtype, shape) in want.items():
+            info = header[k]
+            if tuple(info["shape"]) != tuple(shape):
+                raise CodecError(f"{k}: shape {info['shape']}, {what} stores {list(shape)} for the global model"
+                                 + ("" if self.quantised else f" (it has {list(shape)})"))
+            if info["dtype"] != _DTYPES[dtype]:
+                raise CodecError(f"{k}: dtype {info['dtype']}, expected {_DTYPES[dtype]} ({what})")
+
+    def check_values(self, name: str, stored: Mapping[str, torch.Tensor]) -> None:
+        """Scales must be finite and >= 0; int8 codes within [-qmax, qmax]; cast values finite."""
+        if self.quantised:
+            s = stored[name + SCALE]
+            if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
+                raise CodecError(f"{name}: scales are not finite and >= 0 (NaN/inf or negative)")
+            if self.name == "int8" and bool((stored[name] == -128).any()):
+                raise CodecError(f"{name}: int8 code -128 is outside [-127, 127]")
+        elif not bool(torch.isfinite(stored[name]).all()):
+            raise CodecError(f"{name}: non-finite values (NaN/inf)")
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-7, 7] -> uint8, two per byte (low nibble first), offset by 8."""
+    u = (codes.to(torch.int16) + 8).to(torch.uint8)
+    if u.numel() % 2:
+        u = torch.cat([u, u.new_full((1,), 8)])
+    u = u.view(-1, 2)
+    return (u[:, 0] | (u[:, 1] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    lo = (packed & 0x0F).to(torch.int16) - 8
+    hi = (packed >> 4).to(torch.int16) - 8
+    return torch.stack([lo, hi], dim=1).reshape(-1)[:n].to(torch.int8)
+
+
+def get_codec(name: str, block: int = 64) -> Codec:
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r}: one of {', '.join(CODECS)}")
+    return Codec("none" if name == "float32" else name, block)
+
+
+class Residual:
+    """Error feedback for one sender: `send(name, x)` returns what to store for x + (what was lost last time) and
+    keeps the new loss. `tensors()` / `load()` make it part of the sender's resume state."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.error: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def send(self, name: str, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(stored tensors, the decoded value the receivers will see) for float32 `x` plus the carried error."""
+        v = x.to(torch.float32)
+        e = self.error.get(name)
+        if e is not None:
+            v = v + e.to(v.device)
+        stored = self.codec.encode(name, v)
+        seen = self.codec.decode(name, stored, tuple(v.shape))
+        if not self.codec.lossless:
+            self.error[name] = (v - seen).to("cpu")
+        return stored, seen
+
+    def tensors(self, prefix: str = "residual::") -> dict[str, torch.Tensor]:
+        return {prefix + k: v for k, v in self.error.items()}
+
+    def load(self, tensors: Mapping[str, torch.Tensor], prefix: str = "residual::") -> None:
+        self.error = {k[len(prefix):]: v.to(torch.float32).clone() for k, v in tensors.items()
+                      if k.startswith(prefix)}

@@ -1,0 +1,212 @@
+"""The coordinator's side of a round: the master θ, the outer momentum and the way-back residual, kept in memory;
+the outer step from the accumulated deltas; the files that commit round r + 1; resume after a crash.
+
+Without compression (outer.compression = none) round r + 1 publishes the full θ_{r+1} (rounds/r+1/global/) and the
+momentum (outer_state.safetensors), as protocol 1 always did; a restart loads both.
+
+With a codec, round r + 1 publishes only u = encode(θ* − θ_r + e) (update.safetensors), where θ* is the outer step's
+result and e the residual of earlier rounds; θ_{r+1} = θ_r + decode(u) on every copy (train/exchange/theta.py). The
+global directory and outer_state (momentum + residual) are written every outer.checkpoint_every rounds and after the
+last. A restart loads the last checkpoint c and replays rounds c..r−1 from the deltas kept on disk: the same sums,
+the same outer steps, the same encodings — it checks each re-encoded update against the committed one's sha256 —
+so the momentum and residual it ends with are those of an uninterrupted run.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from train.core.errors import ProtocolError
+from train.core.model import WEIGHTS
+from train.core.outer import outer_step_tensor
+from train.core.store import RunPaths, atomic_publish_dir, new_tmp_dir, read_json, write_manifest
+from train.core.tensorio import StreamingWriter, iter_tensors
+from train.exchange.accumulate import Accumulator
+from train.exchange.codec import Codec, Residual
+from train.exchange.protocol import RejectedDelta, check_sidecar
+from train.exchange.theta import GlobalTheta, read_update, theta_checksum
+
+log = logging.getLogger("coordinator")
+RESIDUAL = "residual::"
+
+
+def exchange_codecs(oc) -> tuple[Codec, Codec | None]:
+    """(codec of the workers' deltas, codec of the way back or None when the full θ is published every round)."""
+    from train.exchange.codec import get_codec
+
+    if oc.compression == "none":
+        return get_codec(oc.delta_dtype), None
+    c = get_codec(oc.compression, oc.block_size)
+    return c, c
+
+
+def write_global(paths: RunPaths, r: int, names: list[str], tensors: dict[str, torch.Tensor]) -> int:
+    """rounds/r/global/: the weights (fp32, file order), θ_0's config files, MANIFEST; returns bytes written."""
+    new_dir = paths.global_dir(r)
+    tmp = new_tmp_dir(new_dir)
+    try:
+        for fname in ("config.json", "generation_config.json"):
+            if (paths.global_dir(0) / fname).is_file():
+                shutil.copy2(paths.global_dir(0) / fname, tmp / fname)
+        specs = {n: (torch.float32, tuple(tensors[n].shape)) for n in names}
+        with StreamingWriter(tmp / WEIGHTS, specs, {"format": "pt"}) as wr:
+            for n in names:
+                wr.write(n, tensors[n])
+        write_manifest(tmp, hashes={WEIGHTS: wr.sha256})
+        atomic_publish_dir(tmp, new_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return wr.nbytes
+
+
+class OuterMaster:
+    """θ_r, m_r and the way-back residual of the coordinator, and the step to round r + 1."""
+
+    def __init__(self, paths: RunPaths, oc, last_round: int):
+        self.paths, self.oc, self.last_round = paths, oc, last_round
+        self.delta_codec, self.codec = exchange_codecs(oc)
+        self.theta = GlobalTheta(paths, self.codec)
+        self.names, self.shapes = self.theta.names, self.theta.shapes
+        self.momentum: dict[str, torch.Tensor] = {}
+        self.residual = Residual(self.codec) if self.codec is not None else None
+
+    @property
+    def round(self) -> int | None:
+        return self.theta.round
+
+    def new_accumulator(self, r: int) -> Accumulator:
+        return Accumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted)
+
+    def is_checkpoint_round(self, r: int) -> bool:
+        return self.codec is None or r % self.oc.checkpoint_every == 0 or r >= self.last_round
+
+    # -- resume ------------------------------------------------------------------------------------------------------
+    def _load_state(self, c: int) -> None:
+        self.momentum, err = {}, {}
+        f = self.paths.outer_state(c)
+        if c > 0 and f.is_file():
+            for k, t in iter_tensors(f):
+                (err if k.startswith(RESIDUAL) else self.momentum)[k] = t.to(torch.float32)
+        if self.residual is not None:
+            self.residual.load(err, prefix=RESIDUAL)
+
+    def resume(self, r: int) -> None:
+        """Bring the master to committed round r (see the module doc)."""
+        if self.codec is None:
+            self.theta.advance_to(r)
+            self._load_state(r)
+            return
+        c = self.theta.last_checkpoint(r)
+        self.theta.load_checkpoint(c)
+        self._load_state(c)
+        for k in range(c, r):
+            rec = read_json(self.paths.committed(k + 1))
+            acc = self.new_accumulator(k)
+            for w in rec.get("workers", []):
+                try:
+                    acc.add(w, check_sidecar(self.paths, k, w, self.delta_codec))
+                except RejectedDelta as e:
+                    raise ProtocolError(f"cannot replay round {k} from the deltas on disk ({e}); the run's files "
+                                        f"were changed after the commit") from None
+            stored, _ = self._step(k, acc)
+            sha = self._sha_of(stored)
+            if rec.get("update_sha256") and sha != rec["update_sha256"]:
+                log.warning("replaying round %d gave a different update than the committed one (non-deterministic "
+                            "kernels?); continuing from the committed update", k)
+                u, _ = read_update(self.paths, k + 1, self.codec, self.shapes)
+                for n in self.names:  # what every copy applied, and the residual that goes with it
+                    self.residual.error[n] = self._pre[n] - u[n]
+                    self.theta.tensors[n] = self.theta.tensors[n].add(u[n])
+            else:
+                for n in self.names:
+                    self.theta.tensors[n] = self.theta.tensors[n].add(self._seen[n])
+            self.theta.round = k + 1
+            self.theta.verify(k + 1)
+        if r > c:
+            log.info("resumed the outer state at round %d: checkpoint %d + %d replayed rounds", r, c, r - c)
+
+    def _sha_of(self, stored: dict[str, torch.Tensor]) -> str:
+        import os
+        import tempfile
+
+        fd, tmp = tempfile.mkstemp(suffix=".safetensors")
+        os.close(fd)
+        try:
+            return self._write_update(Path(tmp), stored, self.theta.round + 1)[0]
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    # -- one round ---------------------------------------------------------------------------------------------------
+    def _step(self, r: int, acc: Accumulator, lr: float | None = None) -> tuple[dict, dict]:
+        """The outer step of round r from the accumulated deltas: updates momentum (and, with a codec, the residual
+        and self._seen / self._pre); returns (stored update tensors or {}, θ* for no codec)."""
+        oc = self.oc
+        lr = oc.lr if lr is None else lr
+        stored: dict[str, torch.Tensor] = {}
+        new_theta: dict[str, torch.Tensor] = {}
+        self._seen, self._pre = {}, {}
+        for n in self.names:
+            theta = self.theta.tensors[n]
+            new, self.momentum[n] = outer_step_tensor(theta, acc.mean(n), self.momentum.get(n), lr, oc.momentum,
+                                                      oc.nesterov)
+            if self.codec is None:
+                new_theta[n] = new
+                continue
+            target = new - theta
+            e = self.residual.error.get(n)
+            self._pre[n] = target if e is None else target + e
+            s, seen = self.residual.send(n, target)
+            stored.update(s)
+            self._seen[n] = seen
+        return stored, new_theta
+
+    def _write_update(self, path: Path, stored: dict[str, torch.Tensor], r: int) -> tuple[str, int]:
+        specs = {}
+        for n in self.names:
+            specs.update(self.codec.specs(n, self.shapes[n]))
+        with StreamingWriter(path, specs, {"round": str(r), **self.codec.metadata()}) as wr:
+            for k in specs:
+                wr.write(k, stored[k])
+        return wr.sha256, wr.nbytes
+
+    def step(self, r: int, acc: Accumulator, lr: float | None = None) -> dict:
+        """Compute round r + 1 from round r's accepted deltas and write its files (not yet committed: the caller
+        writes COMMITTED with the returned fields {update_sha256, theta_sha256, checkpoint, bytes_written})."""
+        if self.theta.round != r:
+            raise ProtocolError(f"the master θ is at round {self.theta.round}, the step needs round {r}")
+        stored, new_theta = self._step(r, acc, lr)
+        written, fields = 0, {}
+        if self.codec is None:
+            self.theta.tensors = new_theta
+        else:
+            sha, nbytes = self._write_update(self.paths.update_file(r + 1), stored, r + 1)
+            written += nbytes
+            fields["update_sha256"] = sha
+            for n in self.names:
+                self.theta.tensors[n] = self.theta.tensors[n].add(self._seen[n])
+        self.theta.round = r + 1
+        checkpoint = self.is_checkpoint_round(r + 1)
+        if checkpoint:
+            written += write_global(self.paths, r + 1, self.names, self.theta.tensors)
+            state = dict(self.momentum)
+            if self.residual is not None:
+                state.update(self.residual.tensors(RESIDUAL))
+            specs = {k: (torch.float32, tuple(v.shape)) for k, v in state.items()}
+            with StreamingWriter(self.paths.outer_state(r + 1), specs, {"round": str(r + 1)}) as mw:
+                for k, v in state.items():
+                    mw.write(k, v)
+            written += mw.nbytes
+        fields.update(theta_sha256=theta_checksum(self.theta.tensors, self.names), checkpoint=checkpoint,
+                      codec=self.codec.name if self.codec else "none", bytes_written=written)
+        return fields
+
+    def discard_uncommitted(self, r: int) -> None:
+        """Remove what a failed step of round r + 1 left (nothing of it is trusted without COMMITTED)."""
+        self.paths.update_file(r + 1).unlink(missing_ok=True)
+        self.paths.outer_state(r + 1).unlink(missing_ok=True)
+        shutil.rmtree(self.paths.global_dir(r + 1), ignore_errors=True)
+

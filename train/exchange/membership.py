@@ -1,0 +1,274 @@
+"""Who is still in the run: worker liveness from their leases, and when a round may close without someone.
+
+Contract (the DiLoCo coordinator's wait loop; the EDT coordinator uses `gone()` for its job claims):
+
+    m = Membership(paths, num_workers, cfg.outer)      # when the coordinator starts waiting (its clock starts here)
+    while True:
+        d = m.poll(set(arrived))                       # arrived: workers whose delta of this round is in
+        if d.close:                                    # d.missing = {worker: reason} for every worker not arrived
+            break                                      # d.why says why the round closes (or why it waits)
+        time.sleep(poll_interval_s)
+    ... reduce with the arrived workers, commit ...
+    m.record_round()                                   # the round is over: its time-to-quorum joins the history
+
+A worker's lease is workers/wXXX/progress.json (train/core/heartbeat.py): rewritten about every second with a
+growing `beat`, by a thread that lives as long as the process. Liveness is judged from its contents on this
+process's monotonic clock, never from mtimes (NFS caches attributes) nor from another host's clock:
+
+  gone     at once when the lease's status is "exited" / "left" (a final record), or when the record names this
+           host (hostname and boot id) and its pid is not running (or is a zombie, or another process now);
+           after `outer.dead_after_s` without a change of (lease, beat) otherwise (a SIGKILL on another host, a
+           frozen machine, a partitioned disk).
+  starting a worker whose lease has not changed since this object was made (a run that starts or resumes: stale
+           files of earlier processes say nothing about the new ones) is awaited for dead_after_s +
+           `outer.startup_grace_s` from then (workers import torch, read the data, load θ), then gone.
+  alive    otherwise. Nothing is sticky: a worker that comes back (restarted: a new lease) is alive again.
+
+A round closes (`Decision.close`), first rule that holds:
+  1. every live worker (alive or starting) has arrived and at least `outer.min_workers` deltas are in;
+  2. straggler deadline (`outer.straggler_factor` > 0, and a recorded round): a quorum of max(min_workers,
+     ceil(num_workers / 2)) deltas is in and the round has waited max(straggler_factor x median time-to-quorum of
+     the last 10 rounds, dead_after_s) — never giving up on a live worker sooner than on a silent one;
+  3. `outer.round_timeout_s` passed and at least min_workers deltas are in (the absolute cap, as before).
+With fewer than min_workers deltas it keeps waiting (for restarts) and says so in `why`.
+
+The round's clock starts at its first poll (after construction or record_round). Time-to-quorum, not the whole
+round, is what the history keeps: rounds that waited for a straggler or a death do not stretch later deadlines.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from train.core.heartbeat import GONE_STATUSES, boot_id
+from train.core.store import RunPaths, read_json
+
+HISTORY = 10  # rounds whose time-to-quorum makes the straggler deadline
+
+
+@dataclass
+class Decision:
+    """One poll's verdict. `missing` covers every worker not in `arrived`, with the reason it is not (or is still)
+    awaited; `gone` and `late` are the parts of it the round goes on without; `waiting` the workers still
+    awaited when the round does not close."""
+    close: bool
+    why: str
+    missing: dict[int, str] = field(default_factory=dict)
+    gone: dict[int, str] = field(default_factory=dict)
+    late: dict[int, str] = field(default_factory=dict)
+    waiting: list[int] = field(default_factory=list)
+    arrived: int = 0
+    quorum: int = 1
+    elapsed_s: float = 0.0
+    deadline_s: float | None = None
+
+    def summary(self) -> str:
+        """One line for the log: the verdict and every missing worker's reason."""
+        parts = [self.why] + [f"w{w}: {why}" for w, why in sorted(self.missing.items())]
+        return "; ".join(parts)
+
+
+@dataclass
+class _Lease:
+    key: tuple | None = None       # (lease id, beat) last seen
+    changed: float = 0.0           # our clock when key last changed (or when we started)
+    current: bool = False          # changed since we started: written by a process of this run's present
+    record: dict | None = None
+
+
+class Membership:
+    """Liveness of workers 0..num_workers-1 and the close-the-round rule (module docstring).
+
+    `clock` (monotonic seconds) and `pid_alive` (pid -> bool, this host) are injectable for tests; `dead_after_s`,
+    `startup_grace_s` override the config's values (workers_alive uses a short watch)."""
+
+    def __init__(self, paths: RunPaths, num_workers: int, outer, clock: Callable[[], float] = time.monotonic,
+                 pid_alive: Callable[[int, int | None], bool] | None = None, *, dead_after_s: float | None = None,
+                 startup_grace_s: float | None = None):
+        self.paths, self.n, self.outer, self.clock = paths, num_workers, outer, clock
+        self.dead_after_s = float(outer.dead_after_s if dead_after_s is None else dead_after_s)
+        self.startup_grace_s = float(outer.startup_grace_s if startup_grace_s is None else startup_grace_s)
+        self.pid_alive = pid_alive or local_pid_alive
+        self.host, self.boot = socket.gethostname(), boot_id()
+        self.t0 = clock()
+        self.history: list[float] = []
+        self._round_t0: float | None = None
+        self._quorum_s: float | None = None
+        self._elapsed = 0.0
+        self.leases = {w: _Lease(changed=self.t0) for w in range(num_workers)}
+        for w in range(num_workers):  # the baseline: what earlier processes left behind
+            rec = self._read(w)
+            self.leases[w].record, self.leases[w].key = rec, _key(rec)
+
+    # -- leases -----------------------------------------------------------------------------------------------------
+    def _read(self, w: int) -> dict | None:
+        try:
+            rec = read_json(self.paths.progress(w))
+        except (OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) else None
+
+    def observe(self, now: float | None = None) -> float:
+        """Read every lease once; a changed (lease, beat) is a sign of life at `now`."""
+        now = self.clock() if now is None else now
+        for w, ls in self.leases.items():
+            rec = self._read(w)
+            key = _key(rec)
+            if rec is not None:
+                ls.record = rec
+            if key is not None and key != ls.key:
+                ls.key, ls.changed, ls.current = key, now, True
+        return now
+
+    def state(self, w: int, now: float) -> tuple[str, str]:
+        """("alive" | "starting" | "gone", reason) of worker w as of the last observe()."""
+        ls = self.leases[w]
+        if not ls.current:
+            limit = self.dead_after_s + self.startup_grace_s
+            age = now - self.t0
+            if age < limit:
+                return "starting", f"starting: no heartbeat yet ({age:.1f} s of {limit:g} s = dead_after_s + " \
+                                   f"startup_grace_s)"
+            what = "no heartbeat" if ls.record is None else "no heartbeat change"
+            return "gone", f"never started: {what} in {age:.1f} s since the coordinator started (dead_after_s + " \
+                           f"startup_grace_s = {limit:g})"
+        rec = ls.record or {}
+        status = rec.get("status")
+        if status in GONE_STATUSES:
+            err = f": {rec['error']}" if rec.get("error") else ""
+            return "gone", f"exited (status {status}{err})"
+        pid = rec.get("pid")
+        if isinstance(pid, int) and rec.get("host") == self.host and (not rec.get("boot_id") or
+                                                                     rec.get("boot_id") == self.boot):
+            if not self.pid_alive(pid, rec.get("proc_start")):
+                return "gone", f"process {pid} gone on this host"
+        silent = now - ls.changed
+        if silent >= self.dead_after_s:
+            return "gone", f"dead: no heartbeat change for {silent:.1f} s (dead_after_s = {self.dead_after_s:g})"
+        return "alive", f"alive: {status or 'running'} (beat {rec.get('beat')}, {silent:.1f} s ago)"
+
+    def states(self, now: float | None = None) -> dict[int, tuple[str, str]]:
+        now = self.observe(now)
+        return {w: self.state(w, now) for w in self.leases}
+
+    def gone(self) -> dict[int, str]:
+        """Workers judged gone now, with the reason."""
+        return {w: why for w, (st, why) in self.states().items() if st == "gone"}
+
+    def alive(self) -> set[int]:
+        """Workers alive or starting now."""
+        return {w for w, (st, _) in self.states().items() if st != "gone"}
+
+    # -- rounds -----------------------------------------------------------------------------------------------------
+    @property
+    def quorum(self) -> int:
+        return max(int(self.outer.min_workers), math.ceil(self.n / 2))
+
+    def deadline_s(self) -> float | None:
+        """The straggler deadline of a round (from its start), None when off or without history."""
+        factor = float(self.outer.straggler_factor)
+        if factor <= 0 or not self.history:
+            return None
+        return max(factor * statistics.median(self.history[-HISTORY:]), self.dead_after_s)
+
+    def poll(self, arrived: set[int]) -> Decision:
+        now = self.observe()
+        if self._round_t0 is None:
+            self._round_t0 = now
+        elapsed = self._elapsed = now - self._round_t0
+        arrived = {w for w in arrived if w in self.leases}
+        n_in, oc = len(arrived), self.outer
+        if self._quorum_s is None and n_in >= self.quorum:
+            self._quorum_s = elapsed
+        missing, gone, live = {}, {}, []
+        for w in sorted(set(self.leases) - arrived):
+            st, why = self.state(w, now)
+            missing[w] = why
+            if st == "gone":
+                gone[w] = why
+            else:
+                live.append(w)
+        deadline = self.deadline_s()
+        d = Decision(False, "", missing, gone, {}, live, n_in, self.quorum, elapsed, deadline)
+        enough = n_in >= oc.min_workers
+        if not live and enough:
+            d.close, d.waiting = True, []
+            d.why = f"every live worker arrived ({n_in} of {self.n})"
+        elif deadline is not None and n_in >= self.quorum and elapsed >= deadline:
+            med = statistics.median(self.history[-HISTORY:])
+            d.late = {w: f"straggler: past the deadline of {deadline:.1f} s = {float(oc.straggler_factor):g} x "
+                         f"median recent round ({med:.1f} s)" + (" (floor: dead_after_s)" if deadline ==
+                                                                  self.dead_after_s else "") for w in live}
+            d.missing.update(d.late)
+            d.close, d.waiting = True, []
+            d.why = f"straggler deadline {deadline:.1f} s passed with {n_in} of {self.n} (quorum {self.quorum})"
+        elif elapsed >= oc.round_timeout_s and enough:
+            d.late = {w: f"timeout: round_timeout_s = {oc.round_timeout_s:g} passed" for w in live}
+            d.missing.update(d.late)
+            d.close, d.waiting = True, []
+            d.why = f"round_timeout_s = {oc.round_timeout_s:g} passed with {n_in} of {self.n}"
+        elif not live:
+            d.why = f"only {n_in} of {self.n} in and no other live worker (min_workers = {oc.min_workers}): " \
+                    f"waiting for workers to come back"
+        else:
+            d.why = f"waiting for {len(live)} live worker(s) {live} ({n_in} of {self.n} in)"
+        return d
+
+    def record_round(self, seconds: float | None = None) -> None:
+        """The round is over. Its time-to-quorum (as poll measured it; the whole wait when the quorum never came)
+        joins the history, or `seconds` when given (e.g. earlier rounds' times on resume). The next poll starts
+        the next round's clock."""
+        value = seconds if seconds is not None else (self._quorum_s if self._quorum_s is not None else
+                                                     self._elapsed if self._round_t0 is not None else None)
+        if value is not None and math.isfinite(value) and value >= 0:
+            self.history = (self.history + [float(value)])[-HISTORY:]
+        self._round_t0, self._quorum_s, self._elapsed = None, None, 0.0
+
+
+def _key(rec: dict | None) -> tuple | None:
+    if not rec or "beat" not in rec:
+        return None
+    return rec.get("lease"), rec.get("beat")
+
+
+def local_pid_alive(pid: int, proc_start: int | None = None) -> bool:
+    """Is `pid` a running (not zombie) process of this host, and the same process when its start time is known?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: it exists
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return True  # no /proc (not Linux): os.kill said it exists
+    fields = raw[raw.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return False
+    return proc_start is None or int(fields[19]) == proc_start
+
+
+def workers_alive(paths: RunPaths, num_workers: int, outer, watch_s: float = 2.5,
+                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+                  ) -> dict[int, str]:
+    """Watch the leases for `watch_s` seconds (> the 1 s lease period); {worker: reason} of those alive (a beat
+    changed, or its process runs on this host). For tools (status, benchmarks), not for the round loop."""
+    m = Membership(paths, num_workers, outer, clock, dead_after_s=watch_s, startup_grace_s=0.0)
+    out: dict[int, str] = {}
+    while True:
+        now = m.observe()
+        for w, ls in m.leases.items():
+            if ls.current:
+                st, why = m.state(w, now)
+                if st == "alive":
+                    out[w] = why
+        if now - m.t0 >= watch_s or len(out) == num_workers:
+            return out
+        sleep(min(0.25, watch_s))

@@ -1,0 +1,138 @@
+"""One θ: every process's copy of the global model, kept current the same way, so all copies are bit-identical.
+
+Without compression the coordinator publishes θ_{r+1} in full every round (rounds/r/global/) and a copy is just that
+file. With compression (outer.compression = int8, int4, bfloat16, float16) it publishes the *update*
+u_{r+1} = θ_{r+1} − θ_r in the codec's format (rounds/r+1/update.safetensors) and every copy — each worker's and the
+coordinator's master — does θ_{r+1} = θ_r + decode(u_{r+1}) in float32 on the CPU. Decoding is one IEEE multiply per
+value and the add one IEEE add, so the result is the same bits everywhere; the commit record carries the sha256 of
+θ_{r+1}'s bytes and every copy checks it (`verify`): a copy that drifted stops with a ProtocolError instead of
+training on a different model.
+
+A process that starts late or restarts loads the last fp32 checkpoint c <= r (rounds/c/global/, written every
+outer.checkpoint_every rounds, round 0 and the last round) and applies the updates c+1..r; pruning keeps them.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from train.core.errors import ProtocolError
+from train.core.model import WEIGHTS
+from train.core.store import RunPaths, read_json
+from train.core.tensorio import SequentialReader, read_header, tensor_bytes
+from train.exchange.codec import Codec, CodecError
+
+
+def theta_checksum(tensors: dict[str, torch.Tensor], names: list[str]) -> str:
+    """sha256 of the tensors' raw bytes in `names` order (file order): the same bits give the same checksum."""
+    h = hashlib.sha256()
+    for n in names:
+        h.update(tensor_bytes(tensors[n]))
+    return h.hexdigest()
+
+
+def file_order(path: Path) -> list[str]:
+    header, _ = read_header(path)
+    return sorted(header, key=lambda k: header[k]["data_offsets"][0])
+
+
+def read_update(paths: RunPaths, r: int, codec: Codec, shapes: dict[str, tuple]) -> tuple[dict[str, torch.Tensor], int]:
+    """The decoded update of round r ({name: float32}), checked against its codec and the commit record's sha256;
+    returns (update, bytes read)."""
+    f = paths.update_file(r)
+    rec = read_json(paths.committed(r))
+    try:
+        header, meta = read_header(f)
+        codec.check_header(header, shapes, meta)
+    except (OSError, ValueError) as e:
+        raise ProtocolError(f"{f}: not a valid {codec.name} update ({e})") from None
+    rd = SequentialReader(f)
+    stored: dict[str, torch.Tensor] = {}
+    try:
+        for k in rd.names_in_order:
+            stored[k] = rd.read(k)
+        sha = rd.finish()
+    finally:
+        rd.close()
+    if rec.get("update_sha256") and sha != rec["update_sha256"]:
+        raise ProtocolError(f"{f}: sha256 differs from the commit record (torn or corrupt update)")
+    out = {}
+    for n, s in shapes.items():
+        try:
+            codec.check_values(n, stored)
+        except CodecError as e:
+            raise ProtocolError(f"{f}: {e}") from None
+        out[n] = codec.decode(n, stored, tuple(s))
+    return out, f.stat().st_size
+
+
+class GlobalTheta:
+    """θ_r as float32 CPU tensors in the global file's order, advanced round by round (see the module doc)."""
+
+    def __init__(self, paths: RunPaths, codec: Codec | None):
+        self.paths = paths
+        self.codec = codec            # None: the full model is published every round (no compression)
+        self.round: int | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.names: list[str] = file_order(paths.global_dir(0) / WEIGHTS)
+        h, _ = read_header(paths.global_dir(0) / WEIGHTS)
+        self.shapes = {n: tuple(h[n]["shape"]) for n in self.names}
+        self.bytes_read = 0           # BASE_DIR bytes read since the last `take_bytes()`
+
+    def take_bytes(self) -> int:
+        b, self.bytes_read = self.bytes_read, 0
+        return b
+
+    def load_checkpoint(self, c: int) -> None:
+        from train.core.tensorio import iter_tensors
+
+        f = self.paths.global_dir(c) / WEIGHTS
+        self.tensors = {n: t.to(torch.float32) for n, t in iter_tensors(f, self.names)}
+        self.round = c
+        self.bytes_read += f.stat().st_size
+
+    def last_checkpoint(self, r: int) -> int:
+        return max(c for c in [0, *self.paths.committed_rounds()] if c <= r and self.paths.is_checkpoint(c))
+
+    def advance_to(self, r: int) -> bool:
+        """Bring θ to committed round r; returns True when θ changed."""
+        if self.round == r:
+            return False
+        if self.codec is None or self.round is None or self.round > r or \
+                (self.paths.is_checkpoint(r) and not self.paths.update_file(r).is_file()):
+            if self.codec is None:
+                self.load_checkpoint(r)
+                return True
+            self.load_checkpoint(self.last_checkpoint(r))
+        for k in range(self.round + 1, r + 1):
+            if not self.paths.update_file(k).is_file():
+                raise ProtocolError(f"{self.paths.round_dir(k)}: the update of round {k} is missing (pruned?); "
+                                    f"restart from a checkpoint")
+            self.apply(k)
+        return True
+
+    def apply(self, k: int) -> None:
+        """θ_k = θ_{k−1} + decode(u_k), then check θ_k's checksum against the commit record."""
+        u, nbytes = read_update(self.paths, k, self.codec, self.shapes)
+        self.bytes_read += nbytes
+        for n in self.names:
+            self.tensors[n] = self.tensors[n].add(u[n])
+        self.round = k
+        self.verify(k)
+
+    def verify(self, k: int) -> None:
+        want = read_json(self.paths.committed(k)).get("theta_sha256")
+        if want and theta_checksum(self.tensors, self.names) != want:
+            raise ProtocolError(f"round {k}: this copy of θ differs from the coordinator's (checksum mismatch); "
+                                f"its files may be corrupt. Restart the process: it reloads from the last "
+                                f"checkpoint")
+
+    def load_into(self, model: torch.nn.Module) -> None:
+        from train.core.model import params_of
+
+        params = params_of(model)
+        with torch.no_grad():
+            for n in self.names:
+                params[n].copy_(self.tensors[n])
