@@ -1,0 +1,180 @@
+"""Compressed exchange end to end (docs/compression.md): real worker processes, real files.
+
+One θ (every copy bit-identical, checked by checksum every round), the fp32 checkpoints, exact resume after SIGKILLs
+of the whole simulator at random moments, host-local worker state, and what the reducer refuses.
+"""
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_config
+from helpers_proc import run_script, script_cmd, wait_until
+from train.core.config import build_config
+from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, verify_manifest
+from train.core.tensorio import load_tensors
+from train.diloco.coordinator import Coordinator
+from train.exchange.codec import SCALE, get_codec
+from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
+from train.exchange.theta import GlobalTheta, theta_checksum
+
+pytestmark = pytest.mark.slow
+
+OUTER = {"compression": "int8", "rounds": 5, "checkpoint_every": 2, "local_steps": 4, "block_size": 32}
+
+
+def _write(tmp_path, name, **outer):
+    cfg = tiny_config(tmp_path / "runs", outer={**OUTER, **outer}, project_name=name)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return path, RunPaths(tmp_path / "runs" / name)
+
+
+def test_int8_run_keeps_one_theta_and_checkpoints_load(tmp_path):
+    cfg, paths = _write(tmp_path, "int8")
+    out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(str(paths.final))
+    # checkpoints: round 0, every 2 rounds and the last one; in between only the encoded update
+    assert paths.is_checkpoint(4) and paths.is_checkpoint(5) and not paths.global_dir(3).exists()
+    for r in (4, 5):
+        verify_manifest(paths.global_dir(r))
+    # θ_5 rebuilt from checkpoint 4 + update 5 is the final checkpoint, bit for bit, and matches the commit record
+    th = GlobalTheta(paths, get_codec("int8", 32))
+    th.load_checkpoint(4)
+    th.apply(5)
+    final = load_tensors(paths.global_dir(5) / "model.safetensors")
+    assert all(torch.equal(final[n], th.tensors[n]) for n in th.names)
+    assert theta_checksum(final, th.names) == read_json(paths.committed(5))["theta_sha256"]
+    # the workers checked their copy every round (a mismatch stops them); the sidecars say what they sent
+    meta = read_json(paths.delta_meta(4, 0))
+    assert meta["codec"] == "int8" and meta["io"]["read"] > 0
+    recs = [r for r in read_jsonl(paths.metrics) if r["round"] > 0]
+    assert all(r["codec"] == "int8" and r["bytes_total"] > 0 for r in recs)
+    # the deltas of a round: 1 + 4/32 bytes per value (+ the safetensors headers, sizeable on a 38k-parameter model)
+    values = sum(t.numel() for t in final.values())
+    r3 = next(r for r in recs if r["round"] == 3)
+    assert 2 * values * 1.125 < r3["bytes_deltas"] < 2 * values * 1.125 * 1.15
+
+
+def _kill_at_random_moments(cmd, paths, rounds, seed):
+    rng = random.Random(seed)
+    kills = 0
+    for _ in range(4):
+        sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        start = paths.latest_committed() or 0
+        try:
+            wait_until(lambda: (paths.latest_committed() or 0) > start, 240, "a new commit", sim)
+            time.sleep(rng.uniform(0.0, 1.0))
+        except AssertionError:
+            pass
+        if sim.poll() is None:
+            sim.send_signal(signal.SIGKILL)
+            kills += 1
+        sim.wait(30)
+        if paths.latest_committed() == rounds:
+            break
+    time.sleep(1)
+    return kills
+
+
+def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path):
+    """Coordinator replay (momentum, residual from the deltas since the checkpoint) and worker replay (rounds whose
+    state snapshot was lost) give the uninterrupted run's model, bit for bit."""
+    ref_cfg, ref = _write(tmp_path, "ref", momentum=0.9, lr=0.7)
+    out = run_script("diloco_sim.py", "--config", str(ref_cfg), timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    cfg, paths = _write(tmp_path, "killed", momentum=0.9, lr=0.7)
+    kills = _kill_at_random_moments(script_cmd("diloco_sim.py", "--config", str(cfg)), paths, 5, seed=3)
+    assert kills >= 1
+    out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    a = load_tensors(ref.final / "model.safetensors")
+    b = load_tensors(paths.final / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ra = {r["round"]: r for r in read_jsonl(ref.metrics)}
+    rb = {r["round"]: r for r in read_jsonl(paths.metrics)}
+    assert ra[5]["eval_loss"] == rb[5]["eval_loss"] and ra[5]["tokens"] == rb[5]["tokens"]
+
+
+def test_host_local_state_lost_resumes_with_fresh_moments_and_no_token_twice(tmp_path):
+    local = tmp_path / "local-state"
+    cfg, paths = _write(tmp_path, "local", rounds=3, state_dir=str(local))
+    out = run_script("diloco_sim.py", "--config", str(cfg), "--rounds", "2", timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    opt = list(local.rglob("opt-r*.safetensors"))
+    assert len(opt) == 2 and not list(paths.root.rglob("opt-r*.safetensors"))  # off the shared disk
+    for f in opt:
+        f.unlink()  # as if the workers restarted on other hosts
+    out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    log = paths.worker_log(0).read_text()
+    assert "not on this host" in log and "fresh AdamW moments" in log
+    rec = read_jsonl(paths.metrics)[-1]
+    assert rec["round"] == 3 and rec["tokens"] == 3 * 2 * 4 * 8 * 32  # every round's tokens once
+
+
+# -- what the reducer refuses -------------------------------------------------------------------------------------------
+def _coordinator(tmp_path):
+    cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000},
+                                   outer={"num_workers": 3, "min_workers": 2, "compression": "int8",
+                                          "block_size": 32}))
+    co = Coordinator(cfg, progress=False)
+    co.setup()
+    return co
+
+
+def _publish(co, w, seed, corrupt=None):
+    paths = co.paths
+    theta = co.master.theta.tensors
+    g = torch.Generator().manual_seed(seed)
+    params = {k: v - torch.randn(v.shape, generator=g) * 1e-3 for k, v in theta.items()}
+    codec = get_codec("int8", 32)
+    f = paths.delta_file(0, w)
+    file = write_delta(f, co.names, theta, params, codec, 0, w)
+    side = delta_sidecar(0, w, file, inner_steps=5, tokens=1000, loss=3.0)
+    if corrupt == "nan_scale":
+        from safetensors.torch import load_file, save_file
+        t = load_file(str(f))
+        k = next(k for k in t if k.endswith(SCALE))
+        t[k][0] = float("nan")
+        save_file(t, str(f), metadata={"codec": "int8", "block": "32"})
+    elif corrupt == "wrong_block":
+        file = write_delta(f, co.names, theta, params, get_codec("int8", 64), 0, w)
+    elif corrupt == "undeclared":
+        file = write_delta(f, co.names, theta, params, get_codec("int4", 32), 0, w)
+    elif corrupt == "truncated":
+        f.write_bytes(f.read_bytes()[:-10])
+    if corrupt in ("nan_scale", "wrong_block", "undeclared"):
+        import hashlib
+        side.update(sha256=hashlib.sha256(f.read_bytes()).hexdigest(), bytes=f.stat().st_size)
+    publish_sidecar(paths, side)
+
+
+@pytest.mark.parametrize("case,reason", [("nan_scale", "scales are not finite"),
+                                         ("wrong_block", "block size 64"),
+                                         ("undeclared", "declares codec 'int4'"),
+                                         ("truncated", "bytes, sidecar says")])
+def test_bad_compressed_delta_is_rejected_and_theta_untouched(tmp_path, case, reason):
+    co = _coordinator(tmp_path)
+    _publish(co, 0, 0)
+    _publish(co, 1, 1)
+    _publish(co, 2, 2, corrupt=case)
+    rec = co.run_round(0)
+    assert rec["workers_used"] == [0, 1] and reason in rec["rejected"]["w002"], rec["rejected"]
+    # θ_1 equals a round computed from the two good deltas alone
+    co2 = _coordinator(tmp_path / "clean")
+    _publish(co2, 0, 0)
+    _publish(co2, 1, 1)
+    atomic_write_json(co2.paths.root / "note.json", {})
+    co2.cfg.outer.round_timeout_s = 0.2
+    co2.run_round(0)
+    a, b = co.master.theta.tensors, co2.master.theta.tensors
+    assert all(torch.equal(a[k], b[k]) for k in a)
