@@ -1,16 +1,18 @@
-"""Benchmark the DiLoCo outer step on a SmolLM2-135M-shaped model with 4 workers.
+"""Benchmark the DiLoCo outer step on a SmolLM2-135M-shaped model: the work left after the last delta arrives.
 
-    python bench/outer_step.py [--workers 4] [--repeats 3] [--small]
+    python bench/outer_step.py [--workers 2 8] [--repeats 3] [--codec none] [--small]
 
-Compares, in one run on the same disk:
-  ours       Coordinator.reduce: stream θ_r, m_r and the 4 deltas tensor by tensor, validate each delta (sha256,
-             finiteness, shapes) in the same pass, write θ_{r+1} (HF dir + manifest) and m_{r+1} atomically.
-  prototype  the research prototype's method: from_pretrained the base and every worker model, average per
-             parameter in a Python loop, SGD + Nesterov step, save_pretrained once per worker.
-  I/O floor  bytes ours must read / sequential read bandwidth + bytes it must write / sequential write bandwidth
-             (fsync'd), both measured here on the same disk with the same page-cache state.
-Targets: ours >= 3x faster than the prototype; ours <= 1.5x the I/O floor. Prints ratios, writes
-bench/results/outer_step.json.
+The coordinator reduces on arrival (train/exchange/accumulate.py): each delta is read, checked (size, sha256, header,
+values) and added to a float64 sum when it is published, while the other workers still train. What is left after
+the last arrival — that delta, the outer step, writing θ_{r+1} (+ momentum) and the commit — should not grow with N.
+
+For each N, in the same run, on the same disk:
+  tail        the last arrival -> committed: add the last delta, OuterMaster.step, COMMITTED (the N−1 earlier
+              deltas were added before the clock starts, as they are in a real round)
+  at the end  the same work if every delta were reduced only after the last arrival (what protocol 1 did)
+  I/O floor   the tail's bytes (one delta read; θ_{r+1} and the momentum written, fsync'd) at the disk's measured
+              sequential bandwidth (read with a warm page cache, as the just-written delta is)
+Targets: tail(N=8) / tail(N=2) <= 1.2; tail <= 1.5x its I/O floor. Writes bench/results/outer_step.json.
 """
 from __future__ import annotations
 
@@ -21,160 +23,128 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import drop_caches, median, save_result, smollm_config, table, timed
+from common import median, save_result, smollm_config, table
 
 import torch
 
 
-def setup_round(root: Path, n: int, small: bool):
-    """A BASE_DIR at round 1 (with outer momentum) and n published deltas, exactly as workers publish them."""
+def setup_round(root: Path, n: int, small: bool, codec: str):
+    """A BASE_DIR at round 0 and n deltas of round 0 published the way workers publish them."""
     from transformers import AutoModelForCausalLM
     from train.core.config import build_config
     from train.core.model import save_model_dir
-    from train.core.store import PROTOCOL_VERSION, RunPaths, atomic_write_json
-    from train.core.tensorio import save_streaming
+    from train.core.store import RunPaths, atomic_write_json
+    from train.exchange.codec import get_codec
+    from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
+    from train.exchange.theta import file_order
 
-    cfg = build_config({"base_dir": str(root), "project_name": "bench", "outer": {"num_workers": n}})
+    cfg = build_config({"base_dir": str(root), "project_name": "bench",
+                        "outer": {"num_workers": n, "compression": codec, "momentum": 0.9, "lr": 0.7}})
     paths = RunPaths(cfg.run_dir)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(smollm_config(small), dtype=torch.float32)
-    save_model_dir(model, paths.global_dir(1))
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    from train.core.tensorio import read_header
-    header, _ = read_header(paths.global_dir(1) / "model.safetensors")
-    order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
-    save_streaming(paths.outer_state(1), {k: torch.randn_like(params[k]) * 1e-3 for k in order})
-    metas = {}
-    worker_dirs = []
+    save_model_dir(model, paths.global_dir(0))
+    atomic_write_json(paths.committed(0), {"round": 0})
+    names = file_order(paths.global_dir(0) / "model.safetensors")
+    theta = {k: v.detach() for k, v in model.named_parameters()}
+    c = get_codec("float32" if codec == "none" else codec, cfg.outer.block_size)
     for w in range(n):
         g = torch.Generator().manual_seed(w)
-        delta = {k: torch.randn(params[k].shape, generator=g) * 1e-3 for k in order}
-        f = paths.delta_file(1, w)
-        sha = save_streaming(f, delta)
-        metas[w] = {"protocol": PROTOCOL_VERSION, "round": 1, "worker": w, "inner_steps": 50, "tokens": 1000 + w,
-                    "loss": 3.0, "sha256": sha, "bytes": f.stat().st_size}
-        atomic_write_json(paths.delta_meta(1, w), metas[w])
-        # the prototype reads whole worker models instead of deltas
-        wd = root / "proto" / f"worker{w}"
-        with torch.no_grad():
-            for k, p in model.named_parameters():
-                p.sub_(delta[k])
-            model.save_pretrained(str(wd))
-            for k, p in model.named_parameters():
-                p.add_(delta[k])
-        worker_dirs.append(wd)
-    return cfg, paths, metas, worker_dirs
+        params = {k: theta[k] - torch.randn(theta[k].shape, generator=g) * 1e-3 for k in names}
+        file = write_delta(paths.delta_file(0, w), names, theta, params, c, 0, w)
+        publish_sidecar(paths, delta_sidecar(0, w, file, inner_steps=50, tokens=1000 + w, loss=3.0))
+        del params
+    return cfg, paths
 
 
-def run_ours(cfg, paths, metas, n):
-    from train.diloco.coordinator import Coordinator
-    co = Coordinator(cfg, progress=False)
-    out = co.reduce(1, list(range(n)), metas)
-    shutil.rmtree(paths.global_dir(2))
-    paths.outer_state(2).unlink()
-    return out
+def one_round(cfg, paths, n: int, at_end: bool) -> tuple[float, int, int]:
+    """(seconds from the last arrival to the commit, bytes read, bytes written in that time)."""
+    from train.exchange.master import OuterMaster
+    from train.exchange.protocol import check_sidecar, commit
 
-
-def run_prototype(paths, worker_dirs, out_root: Path, lr=0.7, mu=0.9):
-    """The prototype: full models in memory, a Python loop per parameter, save_pretrained once per worker."""
-    from transformers import AutoModelForCausalLM
-    from safetensors.torch import load_file, save_file
-
-    base = AutoModelForCausalLM.from_pretrained(str(paths.global_dir(1)), dtype=torch.float32)
-    workers = [AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32) for d in worker_dirs]
-    momentum = load_file(str(paths.outer_state(1)))
-    wparams = [dict(w.named_parameters()) for w in workers]
-    with torch.no_grad():
-        for name, p in base.named_parameters():
-            grad = sum(p - wp[name] for wp in wparams) / len(wparams)
-            buf = momentum[name].mul_(mu).add_(grad)
-            p.sub_(lr * (grad + mu * buf))
-    for i in range(len(worker_dirs)):
-        base.save_pretrained(str(out_root / f"global_for_worker{i}"))
-    save_file(momentum, str(out_root / "momentum.safetensors"))
+    m = OuterMaster(paths, cfg.outer, 10)
+    m.resume(0)
+    acc = m.new_accumulator(0)
+    early = [] if at_end else list(range(n - 1))
+    for w in early:
+        acc.add(w, check_sidecar(paths, 0, w, m.delta_codec))
+    read_before = acc.bytes_read
     t0 = time.perf_counter()
-    os.sync()  # what it wrote is only in the page cache: the time to make it durable, as ours is
-    sync_s = time.perf_counter() - t0
-    shutil.rmtree(out_root)
-    return sync_s
+    for w in range(n):
+        if w not in early:
+            acc.add(w, check_sidecar(paths, 0, w, m.delta_codec))
+    fields = m.step(0, acc)
+    commit(paths, 1, {k: fields[k] for k in ("theta_sha256", "checkpoint", "codec")})
+    dt = time.perf_counter() - t0
+    read, written = acc.bytes_read - read_before, fields["bytes_written"]
+    m.discard_uncommitted(0)
+    paths.committed(1).unlink()
+    return dt, read, written
 
 
-def disk_bandwidth(root: Path, nbytes: int) -> tuple[float, float]:
-    """(read B/s, write B/s): write nbytes sequentially with fsync, then read them back."""
+def bandwidth(root: Path, nbytes: int) -> tuple[float, float]:
+    """(read B/s with a warm page cache, write B/s with fsync), sequential, on `root`'s disk."""
     path = root / "bw.bin"
     chunk = os.urandom(1 << 24)
     t0 = time.perf_counter()
     with open(path, "wb") as f:
-        for _ in range(nbytes // len(chunk)):
+        for _ in range(max(1, nbytes // len(chunk))):
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
-    write_bw = (nbytes // len(chunk) * len(chunk)) / (time.perf_counter() - t0)
-    return path, write_bw
-
-
-def read_bandwidth(path: Path, cold: bool) -> float:
-    if cold:
-        drop_caches()
+    size = path.stat().st_size
+    write_bw = size / (time.perf_counter() - t0)
     buf = bytearray(1 << 24)
-    n = 0
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
-        while got := f.readinto(buf):
-            n += got
-    return n / (time.perf_counter() - t0)
+        while f.readinto(buf):
+            pass
+    read_bw = size / (time.perf_counter() - t0)
+    path.unlink()
+    return read_bw, write_bw
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--codec", default="none", help="outer.compression of the run (none = fp32 deltas)")
     ap.add_argument("--small", action="store_true", help="a tiny model, to check the script quickly")
     ap.add_argument("--dir", default=None, help="where to put the files (default: a temp dir on /tmp's disk)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    root = Path(tempfile.mkdtemp(prefix="edt-bench-", dir=args.dir))
-    try:
-        print(f"setting up a round with {args.workers} deltas in {root} ...", flush=True)
-        cfg, paths, metas, worker_dirs = setup_round(root, args.workers, args.small)
-        model_bytes = (paths.global_dir(1) / "model.safetensors").stat().st_size
-        read_bytes = model_bytes * (2 + args.workers)  # θ_r, m_r, deltas
-        write_bytes = model_bytes * 2  # θ_{r+1}, m_{r+1}
-        bw_file, write_bw = disk_bandwidth(root, max(read_bytes // 2, 64 << 20))
-        # Warm-cache measurements (the deltas were just written, as in a real round). Interleaved repetitions.
-        ours_t, proto_t, proto_durable, rbw = [], [], [], []
-        for i in range(args.repeats):
-            rbw.append(read_bandwidth(bw_file, cold=False))
-            t, io = timed(run_ours, cfg, paths, metas, args.workers)
-            ours_t.append(t)
-            os.sync()
-            t, sync_s = timed(run_prototype, paths, worker_dirs, root / "proto_out")
-            proto_t.append(t - sync_s)
-            proto_durable.append(t)
-            print(f"  repeat {i + 1}: ours {ours_t[-1]:.2f}s, prototype {proto_t[-1]:.2f}s "
-                  f"(+{sync_s:.2f}s to flush its writes)", flush=True)
-        read_bw = median(rbw)
-        floor = read_bytes / read_bw + write_bytes / write_bw
-        ours, proto = median(ours_t), median(proto_t)
-        rows = [["model", f"{model_bytes / 1e6:.0f} MB fp32 ({'small' if args.small else 'SmolLM2-135M shape'})"],
-                ["bytes read / written by the outer step", f"{read_bytes / 1e9:.2f} GB / {write_bytes / 1e9:.2f} GB"],
-                ["disk: sequential read (page cache warm) / write (fsync)",
-                 f"{read_bw / 1e9:.2f} GB/s / {write_bw / 1e9:.2f} GB/s"],
-                ["I/O floor", f"{floor:.2f} s"],
-                ["ours (streaming reduce, validated, atomic)", f"{ours:.2f} s"],
-                ["prototype method (writes left in the page cache)", f"{proto:.2f} s"],
-                ["prototype method + os.sync() (durable, like ours)", f"{median(proto_durable):.2f} s"],
-                ["speed-up vs prototype (target >= 3x)", f"{proto / ours:.2f}x"],
-                ["speed-up vs durable prototype", f"{median(proto_durable) / ours:.2f}x"],
-                ["ours / I/O floor (target <= 1.5x)", f"{ours / floor:.2f}x"]]
-        print(table(rows, ["outer step, " + f"{args.workers} workers", "value"]))
-        save_result("outer_step" + ("_small" if args.small else ""),
-                    {"model_bytes": model_bytes, "read_bytes": read_bytes, "write_bytes": write_bytes,
-                     "read_bw": read_bw, "write_bw": write_bw, "floor_s": floor, "ours_s": ours_t,
-                     "prototype_s": proto_t, "prototype_durable_s": proto_durable, "speedup": proto / ours,
-                     "speedup_durable": median(proto_durable) / ours, "floor_ratio": ours / floor})
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    results, rows = {}, []
+    for n in args.workers:
+        root = Path(tempfile.mkdtemp(prefix="edt-bench-", dir=args.dir))
+        try:
+            print(f"N={n}: publishing {n} deltas in {root} ...", flush=True)
+            cfg, paths = setup_round(root, n, args.small, args.codec)
+            tails, ends, bws = [], [], []
+            for i in range(args.repeats):
+                t, read, written = one_round(cfg, paths, n, at_end=False)
+                tails.append(t)
+                e, _, _ = one_round(cfg, paths, n, at_end=True)
+                ends.append(e)
+                bws.append(bandwidth(root, max(written, 64 << 20)))
+                print(f"  repeat {i + 1}: tail {t:.2f}s, reduce at the end {e:.2f}s", flush=True)
+            read_bw, write_bw = median([b[0] for b in bws]), median([b[1] for b in bws])
+            floor = read / read_bw + written / write_bw
+            results[n] = {"tail_s": tails, "at_end_s": ends, "floor_s": floor, "read_bytes": read,
+                          "written_bytes": written, "read_bw": read_bw, "write_bw": write_bw}
+            rows.append([n, f"{median(tails):.2f} s", f"{median(ends):.2f} s", f"{floor:.2f} s",
+                         f"{median(tails) / floor:.2f}x"])
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"\nouter step, {'small model' if args.small else 'SmolLM2-135M shape'}, codec {args.codec}")
+    print(table(rows, ["workers", "tail (last arrival -> commit)", "reduce all at the end", "tail's I/O floor",
+                       "tail / floor (target <= 1.5x)"]))
+    if len(args.workers) >= 2:
+        lo, hi = min(args.workers), max(args.workers)
+        growth = median(results[hi]["tail_s"]) / median(results[lo]["tail_s"])
+        print(f"tail growth N={lo} -> N={hi}: {growth:.2f}x (target <= 1.2x); reduce at the end: "
+              f"{median(results[hi]['at_end_s']) / median(results[lo]['at_end_s']):.2f}x")
+        results["growth"] = growth
+    save_result("outer_step" + ("_small" if args.small else ""), {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def _check_finished(paths: RunPaths, rounds: int, workers: int, H: int, batch: i
 def test_sigkill_worker_mid_round_then_rerun_finishes(write_config, tmp_path):
     cfg = write_config(outer={"rounds": 3, "local_steps": 400})  # rounds of a few seconds: room to aim
     paths = RunPaths(tmp_path / "runs" / "t")
-    cmd = script_cmd("diloco_sim.py", "--config", str(cfg))
+    cmd = script_cmd("diloco_sim.py", "--config", str(cfg), "--max-restarts", "0")  # no restart: a rerun resumes
     sim = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         wait_until(lambda: _progress(paths, 1).get("round", -1) >= 1 and _progress(paths, 1).get("status") ==

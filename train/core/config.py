@@ -169,7 +169,7 @@ class InnerConfig:
         self.precision = PRECISION_ALIASES.get(str(self.precision), self.precision)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise bad_value(p + "device", self.device, "must be auto, cpu, cuda or cuda:N")
-        if self.compile not in (True, False, "auto"):
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise bad_value(p + "compile", self.compile, "must be true, false or \"auto\"")
         lc = self.loss_chunk
         if lc != "auto" and (isinstance(lc, bool) or not isinstance(lc, int) or lc < 0):
@@ -225,8 +225,12 @@ class OuterConfig:
                                    "absmax), bfloat16 or float16; with a codec, workers send encoded deltas with "
                                    "error feedback and the coordinator publishes the encoded update θ_{r+1} − θ_r "
                                    "(with its own error feedback) that every copy of θ applies.")
-    block_size: int = doc(64, "Values per scale of the int8 / int4 codecs.")
-    checkpoint_every: int = doc(10, "With compression: an fp32 global model directory (HF-loadable) and the outer "
+    overlap: str = doc("none", "none (a worker waits for θ_{r+1} after publishing) or delayed (it goes on "
+                               "training at once and folds θ_{r+1} in one round late: the next segment starts from "
+                               "θ_r + its own progress since its delta; docs/overlap.md). Not with torchrun workers.")
+    block_size: int = doc(128, "Values per scale of the int8 / int4 codecs (bench/compression.py measures the "
+                               "error against block size).")
+    checkpoint_every: int = doc(20, "With compression: an fp32 global model directory (HF-loadable) and the outer "
                                     "state every this many rounds (and after the last); processes that start or "
                                     "restart load the last one and apply the logged updates since.")
     state_dir: str = doc("", "Where each worker keeps its private resume state (inner optimizer moments, error-"
@@ -260,6 +264,7 @@ class OuterConfig:
         _check_range(self, p, "keep_rounds", 1)
         _check_choice(self, p, "delta_dtype", ("float32", "bfloat16", "float16"))
         _check_choice(self, p, "compression", ("none", "int8", "int4", "bfloat16", "float16"))
+        _check_choice(self, p, "overlap", ("none", "delayed"))
         _check_range(self, p, "block_size", 8, 1 << 20)
         _check_range(self, p, "checkpoint_every", 1)
         if self.block_size % 2:
@@ -488,6 +493,10 @@ class RunConfig:
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
                 sub.validate(f.name + ".")
+        if self.outer.overlap == "delayed" and self.inner.nproc_per_node > 1:
+            raise bad_value("outer.overlap", self.outer.overlap,
+                            f"does not work with torchrun workers (inner.nproc_per_node = "
+                            f"{self.inner.nproc_per_node}) yet: use overlap none, or one process per worker")
         population = self.edt.population_size or self.outer.num_workers
         if self.edt.elitism > population:
             why = "edt.population_size" if self.edt.population_size else "edt.population_size = 0: outer.num_workers"

@@ -19,7 +19,9 @@ point, after a final beat with status "left". Safe points are the worker's own b
 a wait: nothing half-written) and `leave_point()` calls in its wait loops. Before the lease started (the process is
 still importing, or never holds the worker's lock) SIGTERM exits 0 at once: nothing of its own is on disk yet.
 More SIGTERMs change nothing (a supervisor passes its own on); SIGKILL is the way to stop a worker at once, and
-the run still resumes after it (every file is written atomically).
+the run still resumes after it (every file is written atomically). A SIGTERM that is the parent-death signal (the
+simulator that started the worker, or its supervisor, was killed) exits 143 at once: there is nobody to leave to,
+and a rerun must find the worker's lock free.
 """
 from __future__ import annotations
 
@@ -212,10 +214,28 @@ class Heartbeat:
 _BOOT_ID = boot_id()
 
 
+def parent_died(ppid_at_start: int) -> bool:
+    """Is this SIGTERM the parent-death signal (the simulator or supervisor that started us with PR_SET_PDEATHSIG
+    died), not a request to leave? Then there is nobody to leave to: the caller exits at once, as before."""
+    if os.getppid() == ppid_at_start:
+        return False
+    try:
+        import ctypes
+        sig = ctypes.c_int(0)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+        return sig.value == signal.SIGTERM
+    except (OSError, AttributeError):
+        return False
+
+
 def install_leave_handler(get_heartbeat: Callable[[], "Heartbeat | None"]) -> None:
-    """SIGTERM = leave: `get_heartbeat()` is the process's Heartbeat once there is one (None before: exit 0 now)."""
+    """SIGTERM = leave: `get_heartbeat()` is the process's Heartbeat once there is one (None before: exit 0 now).
+    A SIGTERM that is the parent-death signal (its simulator was killed) exits 143 at once, as it always did."""
+    ppid = os.getppid()
 
     def on_sigterm(signum, frame) -> None:
+        if parent_died(ppid):
+            raise SystemExit(143)
         hb = get_heartbeat()
         if hb is None:
             raise SystemExit(0)

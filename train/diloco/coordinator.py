@@ -25,6 +25,7 @@ from train.core.model import (build_model, check_model_fits, load_tokenizer, loa
                               save_model_dir)
 from train.exchange.accumulate import Accumulator
 from train.exchange.master import OuterMaster
+from train.exchange.membership import Membership
 from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
 from train.exchange.reduce import arrived, prune_rounds
 from train.core.store import (
@@ -92,6 +93,7 @@ class Coordinator:
             log.info("round 0: eval loss of the initial model %.4f", eval0)
         else:
             self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
+        self.membership = Membership(paths, cfg.outer.num_workers, cfg.outer)
         self.master = OuterMaster(paths, cfg.outer, cfg.outer.rounds)
         self.master.resume(paths.latest_committed())
         self.names = self.master.names
@@ -132,19 +134,22 @@ class Coordinator:
                 bar.n, shown = done_steps, len(got)
                 bar.set_postfix_str(f"deltas {len(got)}/{N}")  # refreshes the bar
             if len(got) == N:
+                why = {}
                 break
-            waited = time.monotonic() - t0
-            if waited >= oc.round_timeout_s:
-                if len(acc.workers) >= oc.min_workers:
-                    log.warning("round %d: timeout after %.0fs; going on with %d/%d deltas, missing workers %s",
-                                r, waited, len(got), N, [w for w in range(N) if w not in got])
-                    break
-                if not warned:
-                    log.warning("round %d: %.0fs and only %d deltas (min_workers = %d): still waiting", r, waited,
-                                len(got), oc.min_workers)
-                    warned = True
+            d = self.membership.poll(set(got))
+            if d.close:
+                why = d.missing
+                log.warning("round %d: %s; going on with %d/%d deltas, missing workers %s (%s)", r, d.why,
+                            len(got), N, sorted(d.missing), d.summary())
+                break
+            if not warned and time.monotonic() - t0 >= oc.round_timeout_s:
+                log.warning("round %d: %.0fs and only %d deltas (min_workers = %d): still waiting (%s)", r,
+                            time.monotonic() - t0, len(got), oc.min_workers, d.summary())
+                warned = True
             time.sleep(oc.poll_interval_s)
         bar.close()
+        self.membership.record_round()
+        self.missing_why = {f"w{w:03d}": v for w, v in why.items()}
         if len(acc.workers) < oc.min_workers:
             raise RuntimeError(f"round {r}: only {len(acc.workers)} valid deltas (min_workers = {oc.min_workers}); "
                                f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
@@ -182,9 +187,10 @@ class Coordinator:
         io = {"bytes_read": acc.bytes_read + self.master.theta.take_bytes(), "bytes_written": fields["bytes_written"]}
         record = round_record(r, sorted(ok), metas, rejected, missing, io, self._last_metrics(), eval_loss=eval_loss,
                               wait_s=round(t_wait, 3), reduce_s=round(t_reduce, 3), eval_s=round(t_eval, 3))
-        record.update(codec=fields["codec"], checkpoint=fields["checkpoint"])
+        record.update(codec=fields["codec"], checkpoint=fields["checkpoint"], missing_why=self.missing_why)
         t3 = time.perf_counter()
-        commit(paths, r + 1, {"workers": ok, "missing": missing, "rejected": record["rejected"],
+        commit(paths, r + 1, {"workers": ok, "missing": missing, "missing_why": self.missing_why,
+                              "rejected": record["rejected"],
                               "eval_loss": None if math.isnan(eval_loss) else eval_loss,
                               **{k: fields[k] for k in ("update_sha256", "theta_sha256", "codec", "checkpoint")
                                  if k in fields}})
@@ -200,7 +206,8 @@ class Coordinator:
 
     def cleanup(self, latest: int) -> None:
         """Delete rounds older than the last `keep_rounds` committed ones (θ_0 stays: it is the run's template)."""
-        prune_rounds(self.paths, latest, self.cfg.outer.keep_rounds)
+        # delayed overlap: workers start a segment from θ_{r−1} while round r is open: keep one round more
+        prune_rounds(self.paths, latest, self.cfg.outer.keep_rounds + (self.cfg.outer.overlap == "delayed"))
 
     # -- the whole run --------------------------------------------------------------------------------------------
     def run(self) -> dict:

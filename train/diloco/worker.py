@@ -124,6 +124,8 @@ class Worker:
         self.delta_codec, self.back_codec = exchange_codecs(cfg.outer)
         self.residual = Residual(self.delta_codec) if self.back_codec is not None else None
         self.theta = GlobalTheta(self.paths, self.back_codec) if main else None
+        self.overlap = cfg.outer.overlap == "delayed"
+        self.progress: dict[str, torch.Tensor] | None = None  # delayed overlap: our progress over the last segment
         self._snapshot: threading.Thread | None = None
         self._snapshot_error: BaseException | None = None
         self.io = {"read": 0, "written": 0}  # BASE_DIR bytes of the current round (into the next sidecar)
@@ -165,8 +167,12 @@ class Worker:
             st["opt_round"] = st["round_done"]
             return st["position"]
         self.load_optimizer(f, st.get("opt_extra", st))
-        if self.residual is not None and self.dist.main:
-            self.residual.load(dict(iter_tensors(f)))
+        if self.dist.main and (self.residual is not None or self.overlap):
+            saved = dict(iter_tensors(f))
+            if self.residual is not None:
+                self.residual.load(saved)
+            prog = {k[len("progress::"):]: v for k, v in saved.items() if k.startswith("progress::")}
+            self.progress = prog or None
         log.info("resumed worker state: last round done %d, optimizer state of round %d, data position %d, inner "
                  "step %d", st["round_done"], st["opt_round"], st.get("opt_position", st["position"]),
                  self.trainer.step)
@@ -180,8 +186,9 @@ class Worker:
         todo = list(range(st["opt_round"] + 1, st["round_done"] + 1))
         if not todo:
             return
-        ok = broadcast_json(all(self.paths.committed(k).is_file() and
-                                (self.paths.is_checkpoint(k) or self.paths.update_file(k).is_file()) for k in todo)
+        bases = [k - 1 if self.overlap and k > 0 and self.progress is not None else k for k in todo]
+        ok = broadcast_json(all(self.paths.committed(b).is_file() and
+                                (self.paths.is_checkpoint(b) or self.paths.update_file(b).is_file()) for b in bases)
                             if self.dist.main else None, self.dist, self.device)
         if not ok:
             log.warning("rounds %s were trained but their state snapshot was lost and their global models are gone: "
@@ -197,11 +204,16 @@ class Worker:
         """Write the optimizer moments (+ residual) of round r to state_dir in the background, then point state.json
         at them. The next round joins it before training (the tensors must not change while being written)."""
         paths, w = self.paths, self.w
+        self.join_snapshot()
         if opt_tensors is None:
             opt_tensors = self.trainer.optimizer_tensors()
         tensors = dict(opt_tensors)
+        if self.overlap:  # training goes on while this is written: copy what the next steps change in place
+            tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
         if self.residual is not None:
             tensors.update(self.residual.tensors())
+        if self.progress is not None:
+            tensors.update({f"progress::{k}": v for k, v in self.progress.items()})
         extra = self.trainer.extra_state()
         position = self.sampler.position
         opt_file = f"opt-r{r:06d}.safetensors"
@@ -268,6 +280,16 @@ class Worker:
                 self.hb.beat(force=True, status="done", round=r)
                 broadcast_json(None, self.dist, self.device)
                 return
+            if self.overlap:
+                k = self.next_segment(r)
+                if k is not None:
+                    broadcast_json(k, self.dist, self.device)
+                    self.train_round(k)
+                    continue
+                self.publish_pending(self.state["round_done"])
+                self.hb.beat(force=True, status="waiting for the outer step", round=r)
+                wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r, None, self.poll)
+                continue
             if self.state["round_done"] >= r:
                 self.publish_pending(self.state["round_done"])
                 self.hb.beat(force=True, status="waiting for the outer step", round=r)
@@ -275,6 +297,23 @@ class Worker:
                 continue
             broadcast_json(r, self.dist, self.device)
             self.train_round(r)
+
+    def next_segment(self, latest: int) -> int | None:
+        """Delayed overlap: the round whose delta we train next, or None to wait for a commit. Segment k starts
+        from θ_{k−1} + our progress over segment k−1, so it may start once θ_{k−1} is committed (one round ahead
+        of the synchronous protocol). A worker whose rounds went on without it (restarted late) rejoins at the
+        latest round from θ_latest; so does one that lost its progress (its snapshot was on another host)."""
+        rounds = self.cfg.outer.rounds
+        k = self.state["round_done"] + 1
+        if k >= rounds:
+            return None
+        if latest > k or (self.progress is None and k > 0):
+            if latest > k:
+                log.warning("rounds up to %d were committed without our segment %d: rejoining at round %d from "
+                            "the committed model", latest - 1, k, latest)
+                self.progress = None
+            return latest if latest >= k else None
+        return k if latest >= k - 1 else None
 
     def load_global(self, r: int) -> dict[str, torch.Tensor]:
         """θ_r into the model (rank 0 brings its copy to round r — the full file without compression, else the
@@ -299,10 +338,19 @@ class Worker:
         cfg, paths = self.cfg, self.paths
         H = cfg.outer.local_steps
         main = self.dist.main
-        if main:
+        if main and not self.overlap:
             self.join_snapshot()  # the moments of the last round are on disk before they change
         t0 = time.perf_counter()
-        theta_r = self.load_global(r)
+        if self.overlap and r > 0 and self.progress is not None:
+            # delayed overlap: this segment starts from θ_{r−1} + our progress over segment r−1 (docs/overlap.md)
+            theta = self.load_global(r - 1)
+            theta_r = {n: theta[n].add(self.progress[n]) for n in self.theta.names}
+            params = self.trainer.params
+            with torch.no_grad():
+                for n in self.theta.names:
+                    params[n].copy_(theta_r[n])
+        else:
+            theta_r = self.load_global(r)
         t_load = time.perf_counter() - t0
 
         def on_step(i: int, loss) -> None:
@@ -328,6 +376,8 @@ class Worker:
         if replay:
             pending = pending.with_name(f".replay-{pending.name}")
         file = write_delta(pending, self.theta.names, theta_r, params, self.delta_codec, r, self.w, self.residual)
+        if self.overlap:
+            self.progress = {n: params[n].detach().to("cpu", torch.float32) - theta_r[n] for n in self.theta.names}
         if replay:
             pending.unlink(missing_ok=True)
             published = self.state["sidecar"]["sha256"] if self.state["round_done"] == r else None

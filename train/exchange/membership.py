@@ -238,6 +238,8 @@ def _key(rec: dict | None) -> tuple | None:
 
 def local_pid_alive(pid: int, proc_start: int | None = None) -> bool:
     """Is `pid` a running (not zombie) process of this host, and the same process when its start time is known?"""
+    if pid <= 0:
+        return False  # 0 and negative pids name process groups for os.kill: never a worker
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from train.core.config import REPO_ROOT
+from train.core.heartbeat import parent_died
 from train.core.errors import EXIT_USER_ERROR, WorkerDied  # noqa: F401  (raised here)
 
 log = logging.getLogger("supervise")
@@ -80,8 +81,11 @@ def supervise(argv: list[str], max_restarts: int, name: str = "worker") -> int:
     policy = Restarts(max_restarts)
     stop = threading.Event()
     child: list[subprocess.Popen] = []
+    ppid = os.getppid()
 
     def on_signal(signum, frame) -> None:
+        if signum == signal.SIGTERM and parent_died(ppid):
+            raise SystemExit(143)  # the simulator died: so do we, at once; the worker gets its own death signal
         stop.set()
         if child and child[0].poll() is None:
             try:

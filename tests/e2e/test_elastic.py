@@ -1,0 +1,292 @@
+"""Elastic workers with real processes: the supervisor's restarts, a SIGKILLed worker the simulator restarts, a
+SIGTERMed worker that leaves, an EDT slot refilled by selection, and (with the DiLoCo coordinator's Membership
+integration) a round that closes without a frozen worker within dead_after_s."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, tiny_config
+from helpers_proc import kill_all, script_cmd, start_script, wait_until
+from train.core.config import build_config
+from train.core.store import RunPaths, read_json, read_jsonl, verify_manifest
+from train.launch.procs import Restarts
+
+
+def _progress(paths: RunPaths, w: int) -> dict:
+    try:
+        return read_json(paths.progress(w))
+    except (OSError, ValueError):
+        return {}
+
+
+def _config(tmp_path, **sections) -> str:
+    path = tmp_path / "evolution.json"
+    path.write_text(json.dumps(tiny_config(tmp_path / "runs", **sections), indent=1))
+    return str(path)
+
+
+# -- the supervisor (no torch: fast) ---------------------------------------------------------------------------------
+def test_restart_policy():
+    r = Restarts(3)
+    assert [r.next_delay(-9), r.next_delay(1), r.next_delay(-11), r.next_delay(1)] == [1.0, 2.0, 4.0, None]
+    assert r.line("worker 1", -9, 4.0) == "worker 1 exited with signal 9; restart 3/3 in 4.0 s"
+    for final in (0, 2, -signal.SIGTERM, -signal.SIGINT):  # done or left, a user error, a stop asked for
+        assert Restarts(3).next_delay(final) is None
+    capped = Restarts(10, cap=5.0)
+    assert [capped.next_delay(1) for _ in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def _supervise(*args: str, child: str) -> list[str]:
+    return [sys.executable, "-m", "train.launch.supervise", *args, "--", sys.executable, "-c", child]
+
+
+def test_supervisor_restarts_with_backoff_then_exits_as_its_worker_did(tmp_path):
+    t0 = time.monotonic()
+    out = subprocess.run(_supervise("--max-restarts", "2", "--name", "worker 9", child="import sys; sys.exit(3)"),
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 3 and time.monotonic() - t0 >= 3.0  # 1 s + 2 s of backoff
+    assert "worker 9 exited with status 3; restart 1/2 in 1.0 s" in out.stderr
+    assert "worker 9 exited with status 3; restart 2/2 in 2.0 s" in out.stderr
+    assert "no restarts left (2 used)" in out.stderr
+    # a user error (exit 2) is final: it would fail the same way again
+    out = subprocess.run(_supervise("--max-restarts", "3", child="import sys; sys.exit(2)"), capture_output=True,
+                         text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 2 and "restart" not in out.stderr
+    # a worker killed by a signal: restarted, then the supervisor dies by the same signal
+    marker = tmp_path / "runs"
+    child = (f"import os, pathlib, signal; p = pathlib.Path({str(marker)!r}); p.mkdir(exist_ok=True); "
+             f"n = len(list(p.iterdir())); (p / str(n)).touch(); "
+             f"n < 1 and os.kill(os.getpid(), signal.SIGKILL)")
+    out = subprocess.run(_supervise("--max-restarts", "1", child=child), capture_output=True, text=True, cwd=REPO,
+                         timeout=60)
+    assert out.returncode == 0 and len(list(marker.iterdir())) == 2, out.stderr
+    assert "exited with signal 9; restart 1/1 in 1.0 s" in out.stderr
+    out = subprocess.run(_supervise("--max-restarts", "0", child="import os, signal; os.kill(os.getpid(), 9)"),
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == -9
+
+
+def test_sigterm_to_the_supervisor_group_stops_both_and_nothing_restarts(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    p = subprocess.Popen(_supervise("--max-restarts", "3", child=child), stderr=subprocess.PIPE, text=True,
+                         cwd=REPO, start_new_session=True)
+    try:
+        wait_until(lambda: pidfile.is_file() and pidfile.read_text(), 30, "the child started", p)
+        os.killpg(p.pid, signal.SIGTERM)  # what `launch_to_machines.py stop` and the simulators do
+        p.wait(20)
+        err = p.stderr.read()
+    finally:
+        kill_all([p])
+    assert p.returncode == -signal.SIGTERM and "restart" not in err, err
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pidfile.read_text()), 0)
+
+
+def test_a_killed_simulator_takes_its_supervised_worker_with_it_at_once(tmp_path):
+    """The simulator dies by SIGKILL: its supervisor gets the parent-death signal and exits, and so does the worker
+    (at once, not at its next safe point: a rerun must find the worker's lock free)."""
+    child = tmp_path / "child.py"
+    child.write_text(f"import sys, time\nsys.path.insert(0, {str(REPO)!r})\n"
+                     f"from train.core.heartbeat import Heartbeat, install_leave_handler\n"
+                     f"hb = Heartbeat({str(tmp_path / 'progress.json')!r}, 0).start_lease(at_first_beat=True)\n"
+                     f"install_leave_handler(lambda: hb)\nhb.beat(force=True, status='training')\n"
+                     f"while True:\n    time.sleep(0.05)  # no safe point: a leave would wait forever\n")
+    parent = (f"import subprocess, sys, time\nsys.path.insert(0, {str(REPO)!r})\n"
+              f"from train.launch.procs import die_with_parent, supervised_argv\n"
+              f"p = subprocess.Popen(supervised_argv(sys.executable, [sys.executable, {str(child)!r}], 3, 'worker 0'),"
+              f" preexec_fn=die_with_parent, cwd={str(REPO)!r})\nprint(p.pid, flush=True)\ntime.sleep(120)\n")
+    sim = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    sup = worker = None
+    try:
+        sup = int(sim.stdout.readline())
+        wait_until(lambda: (tmp_path / "progress.json").is_file(), 30, "the worker's first beat", sim)
+        worker = read_json(tmp_path / "progress.json")["pid"]
+        sim.send_signal(signal.SIGKILL)
+        sim.wait(10)
+        wait_until(lambda: not any(_running(p) for p in (sup, worker)), 10, "supervisor and worker gone")
+    finally:
+        kill_all([sim])
+        for pid in (sup, worker):
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int | None) -> bool:
+    from train.exchange.membership import local_pid_alive
+    return isinstance(pid, int) and pid > 0 and local_pid_alive(pid)
+
+
+# -- DiLoCo: a SIGKILLed worker is restarted by the simulator -------------------------------------------------------
+@pytest.mark.slow
+def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes(tmp_path):
+    """3 workers; SIGKILL worker 1 while it trains round 1: its supervisor restarts it, it resumes from its own state
+    and the same run finishes (no rerun); the final model loads; every delta counted once."""
+    from transformers import AutoModelForCausalLM
+
+    H, R = 100, 3
+    cfg = _config(tmp_path, outer={"num_workers": 3, "rounds": R, "local_steps": H})
+    paths = RunPaths(tmp_path / "runs" / "t")
+    sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        wait_until(lambda: _progress(paths, 1).get("round", -1) >= 1 and _progress(paths, 1).get("status") ==
+                   "training" and _progress(paths, 1).get("step", 0) >= 3, 300, "worker 1 training in round 1", sim)
+        victim = _progress(paths, 1)["pid"]
+        os.kill(victim, signal.SIGKILL)
+        out, _ = sim.communicate(timeout=400)
+    finally:
+        if sim.poll() is None:
+            sim.kill()
+    assert sim.returncode == 0, out[-3000:]
+    log1 = paths.worker_log(1).read_text()
+    assert "worker 1 exited with signal 9; restart 1/3 in 1.0 s" in log1
+    assert "resumed worker state: last round done 0" in log1
+    assert _progress(paths, 1)["pid"] != victim and _progress(paths, 1)["status"] == "exited"
+    assert paths.latest_committed() == R
+    for r in paths.committed_rounds():
+        verify_manifest(paths.global_dir(r))
+    AutoModelForCausalLM.from_pretrained(str(paths.final))
+    recs = [r for r in read_jsonl(paths.metrics) if r.get("round", 0) > 0]
+    assert [r["round"] for r in recs] == list(range(1, R + 1))  # each round committed once
+    used = sum(len(r["workers_used"]) for r in recs)  # 9 today; fewer once a death closes a round without it
+    assert recs[-1]["tokens"] == used * H * 8 * 32
+
+
+# -- SIGTERM = leave -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path):
+    from train.exchange.membership import Membership
+
+    cfg = _config(tmp_path, outer={"rounds": 40, "local_steps": 200})
+    paths = RunPaths(tmp_path / "runs" / "t")
+    sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        wait_until(lambda: _progress(paths, 1).get("status") == "training" and _progress(paths, 1).get("step", 0)
+                   >= 3, 300, "worker 1 training", sim)
+        m = Membership(paths, 2, build_config(json.loads(open(cfg).read())).outer)
+        rec = _progress(paths, 1)
+        os.kill(rec["pid"], signal.SIGTERM)
+        t0 = time.monotonic()
+        wait_until(lambda: _progress(paths, 1).get("status") == "left", 30, "worker 1's final heartbeat", sim)
+        took = time.monotonic() - t0
+        d = m.poll({0})
+        assert d.gone == {1: "exited (status left)"} and d.close
+        state = read_json(paths.worker_state(1)) if paths.worker_state(1).is_file() else {"round_done": -1}
+        final = _progress(paths, 1)
+        time.sleep(2.5)  # a restart would come after 1 s
+        assert _progress(paths, 1) == final  # nothing restarted: the final record stays
+    finally:
+        sim.send_signal(signal.SIGINT)
+        try:
+            sim.communicate(timeout=60)
+        finally:
+            if sim.poll() is None:
+                sim.kill()
+    log1 = paths.worker_log(1).read_text()
+    assert "leaving the run (SIGTERM)" in log1 and "restart" not in log1, log1[-2000:]
+    assert took < 10  # at the next inner step, not after a timeout
+    assert state["round_done"] < rec["round"]  # it abandoned the round it was training: nothing half-published
+    assert not paths.delta_meta(rec["round"], 1).exists()
+
+
+# -- EDT: a slot whose job keeps failing is refilled by selection ----------------------------------------------------
+@pytest.mark.slow
+def test_edt_slot_refilled_by_selection_when_its_job_is_abandoned(tmp_path):
+    """Population 2 on 2 workers, edt.max_attempts = 1: SIGKILL the worker that holds m001 in generation 0. The
+    coordinator sees its process gone, the job is abandoned once, and slot m001 becomes a copy of m000 (the only
+    finished member) instead of stopping the run; generation 1 breeds from it as from any member."""
+    from transformers import AutoModelForCausalLM
+
+    from train.edt.store import EDTPaths
+
+    S = 150
+    cfg = _config(tmp_path, outer={"num_workers": 2},
+                  edt={"max_generations": 2, "mutation_steps": S, "job_lease_s": 60, "max_attempts": 1})
+    paths = EDTPaths(tmp_path / "runs" / "t")
+    sim = subprocess.Popen(script_cmd("edt_sim.py", "--config", cfg), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=REPO)
+
+    def holder() -> int | None:
+        try:
+            c = read_json(paths.claim(0, 1))
+        except (OSError, ValueError):
+            return None
+        return c.get("pid") if c.get("worker", -1) >= 0 else None
+
+    try:
+        wait_until(lambda: holder() is not None, 300, "a worker holds job g0/m001", sim)
+        os.kill(holder(), signal.SIGKILL)
+        out, _ = sim.communicate(timeout=400)
+    finally:
+        if sim.poll() is None:
+            sim.kill()
+    assert sim.returncode == 0, out[-3000:]
+    genome = read_json(paths.genome(0, 1))
+    assert genome["refilled"] is True and genome["copy_of"] == "g000000/m000"
+    assert "job abandoned 1 times (edt.max_attempts = 1)" in genome["refill_reason"]
+    recs = read_jsonl(paths.metrics)
+    assert [r["generation"] for r in recs] == [0, 1]
+    assert set(recs[0]["refilled"]) == {"m001"} and recs[1]["refilled"] == {}
+    assert recs[0]["tokens_generation"] == S * 8 * 32  # the copy trained nothing
+    assert recs[0]["eval_loss"]["m001"] == recs[0]["eval_loss"]["m000"]
+    for f in ("pre-model.safetensors", "optimizer.safetensors"):  # (generation 0 has no outer momentum yet)
+        assert (paths.member_dir(0, 1) / f).is_file()  # what a crossover and the next mutation read of a parent
+    res = read_json(paths.result(0, 1))
+    assert res["position"] == read_json(paths.job_json(0, 1))["position"]  # the slot's data position is kept
+    assert "re-queued" in out and "refilled by selection" in out
+    AutoModelForCausalLM.from_pretrained(str(paths.final))
+
+
+# -- with the DiLoCo coordinator's Membership integration ------------------------------------------------------------
+def _coordinator_uses_membership() -> bool:
+    return "Membership(" in (REPO / "train" / "diloco" / "coordinator.py").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _coordinator_uses_membership(),
+                    reason="needs the DiLoCo coordinator to consult train/exchange/membership.py (exchange rewrite)")
+def test_round_closes_without_a_frozen_worker_within_dead_after_s(tmp_path):
+    """INTEGRATION (runs once train/diloco/coordinator.py uses Membership): coordinator + 3 worker processes; SIGSTOP
+    worker 2 mid-round (a frozen machine: its pid lives, its lease stops). The round closes with workers 0 and 1
+    within dead_after_s + 1.5 x a normal round (+ slack for 2 shared cores), the record names worker 2 as missing,
+    and the run finishes without it."""
+    dead_after, H, R = 4.0, 60, 4
+    cfg = _config(tmp_path, outer={"num_workers": 3, "rounds": R, "local_steps": H, "dead_after_s": dead_after,
+                                   "straggler_factor": 0, "round_timeout_s": 600})
+    paths = RunPaths(tmp_path / "runs" / "t")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    coord = start_script([str(REPO / "diloco.py"), "--config", cfg], logs / "coord.log")
+    workers = [start_script(["-m", "train.diloco.worker", "--config", cfg, "--worker", str(w)], logs / f"w{w}.log")
+               for w in range(3)]
+    procs = [coord, *workers]
+    try:
+        wait_until(lambda: (paths.latest_committed() or 0) >= 2, 300, "two rounds committed", coord)
+        times = {r["round"]: r["time"] for r in read_jsonl(paths.metrics) if "round" in r}
+        normal = [times[r] - times[r - 1] for r in times if r >= 2 and r - 1 in times]
+        wait_until(lambda: _progress(paths, 2).get("round", -1) >= 2 and _progress(paths, 2).get("status") ==
+                   "training", 120, "worker 2 training in round 2", coord)
+        stopped_at = paths.latest_committed()
+        workers[2].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        wait_until(lambda: (paths.latest_committed() or 0) > stopped_at, 120, "the round without worker 2", coord)
+        took = time.monotonic() - t0
+        assert coord.wait(300) == 0, (logs / "coord.log").read_text()[-3000:]
+    finally:
+        for p in workers:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        kill_all(procs)
+    assert took <= dead_after + 1.5 * max(normal) + 10, (took, normal)
+    rec = next(r for r in read_jsonl(paths.metrics) if r.get("round") == stopped_at + 1)
+    assert 2 in rec["missing"] and sorted(rec["workers_used"]) == [0, 1]
+    assert paths.latest_committed() == R
