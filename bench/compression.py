@@ -165,18 +165,20 @@ def quality(args) -> dict:
         for seed in args.seeds:
             for codec in args.codecs:
                 name = f"{codec} seed {seed}"
-                r = run(base, f"c_{codec}_{seed}", common + [f"outer.compression={codec}", f"seed={seed}"],
-                        args.timeout)
-                recs = [json.loads(x) for x in (base / f"c_{codec}_{seed}" / "metrics.jsonl").read_text().split()]
+                comp, _, overlap = codec.partition("+")  # e.g. int8+delayed: outer.overlap = delayed too
+                sets = [f"outer.compression={comp}", f"outer.overlap={overlap or 'none'}", f"seed={seed}"]
+                r = run(base, f"c_{codec}_{seed}", common + sets, args.timeout)
+                text = (base / f"c_{codec}_{seed}" / "metrics.jsonl").read_text()
+                recs = [json.loads(x) for x in text.splitlines()]
                 recs = [x for x in recs if x["round"] > 0]
                 r["bytes_per_round"] = statistics.mean(x["bytes_total"] for x in recs)
                 shapes = model_shapes(_bench_config())
                 state_file = "base"
-                model = round_bytes(shapes, args.workers, codec, args.block, state_file, args.checkpoint_every)
+                model = round_bytes(shapes, args.workers, comp, args.block, state_file, args.checkpoint_every)
                 # the model's steady state vs the recorded mean (round 1 also reads θ_0: compare rounds >= 2)
                 steady = [x["bytes_total"] for x in recs if x["round"] >= 2 and not x.get("checkpoint")]
-                r["model_bytes_per_round"] = round_bytes(shapes, args.workers, codec, args.block, state_file,
-                                                         10 ** 9)["total"] if codec != "none" else model["total"]
+                r["model_bytes_per_round"] = round_bytes(shapes, args.workers, comp, args.block, state_file,
+                                                         10 ** 9)["total"] if comp != "none" else model["total"]
                 r["recorded_steady"] = statistics.mean(steady) if steady else None
                 results[name] = r
                 print(f"  {name}: eval loss {r['eval_loss']:.4f}, {r['bytes_per_round'] / 1e6:.2f} MB/round "
@@ -198,7 +200,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--checkpoint-every", type=int, default=20)
     ap.add_argument("--bytes-only", action="store_true")
-    ap.add_argument("--codecs", nargs="+", default=["none", "bfloat16", "int8", "int4"])
+    ap.add_argument("--codecs", nargs="+", default=["none", "int8", "int4", "none+delayed", "int8+delayed"],
+                    help="outer.compression values; +delayed also sets outer.overlap = delayed")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--H", type=int, default=25)
@@ -232,7 +235,7 @@ def main() -> None:
         print(f"\nQuality at equal tokens: bench-llama, {args.workers} workers x {args.steps} steps, H={args.H}, "
               f"outer lr {args.outer_lr} momentum {args.outer_momentum}; state on BASE_DIR; bytes are the mean "
               f"recorded per round (all processes, checkpoints included)")
-        print(table(qrows, ["compression", "seed", "bytes/round", "vs protocol 1", "eval loss", "Δ vs fp32",
+        print(table(qrows, ["exchange", "seed", "bytes/round", "vs protocol 1", "eval loss", "Δ vs fp32",
                             "recorded/model (steady rounds)"]))
     save_result("compression", record)
 

@@ -321,7 +321,8 @@ class EDTConfig:
                                         "every mutation, as the prototype).")
     job_lease_s: float = doc(120.0, "A claimed job whose worker has not renewed its lease for this long is "
                                     "re-queued for another worker.")
-    max_attempts: int = doc(3, "Claims of one job before the run stops with an error (a job that kills workers).")
+    max_attempts: int = doc(3, "Claims of one job (a job whose workers keep dying) before its slot is refilled by "
+                               "selection: a copy of a finished member of the same generation (docs/elastic.md).")
 
     # gene name -> (lowest allowed, highest allowed); see train/core/evolution.py GENES for what each one drives.
     GENE_LIMITS: typing.ClassVar[dict] = {"inner_lr": (1e-6, 1e3), "outer_lr": (1e-6, 10.0),
