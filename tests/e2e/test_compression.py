@@ -123,7 +123,7 @@ def test_host_local_state_lost_resumes_with_fresh_moments_and_no_token_twice(tmp
     assert rec["round"] == 3 and rec["tokens"] == 3 * 2 * 4 * 8 * 32  # every round's tokens once
 
 
-# -- what the reducer refuses -------------------------------------------------------------------------------------------
+# -- what the reducer refuses ------------------------------------------------------------------------------------------
 def _coordinator(tmp_path):
     cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000},
                                    outer={"num_workers": 3, "min_workers": 2, "compression": "int8",
