@@ -8,7 +8,8 @@ cache (lr schedule, grad clipping, loss bookkeeping with a read-back every inner
 callback), with the device's defaults (`auto`: on CPU fp32, eager, foreach AdamW; on CUDA bf16 autocast, compile,
 fused AdamW). bare: the same forward / cross-entropy / backward / clip / AdamW step on batches preloaded in memory,
 with torch.optim.AdamW's defaults, in ours' precision (and compiled when ours is: it measures the loop, not the
-settings). Interleaved repetitions, median tokens/s; target ratio >= 1.0. Then the memory-lean loss
+settings). Interleaved repetitions, median tokens/s (`--clock cpu`: per CPU second of this process, which other
+processes on a loaded box disturb far less); target ratio >= 1.0. Then the memory-lean loss
 (inner.loss_chunk): our loop with the loss in one piece against `--loss-chunk` tokens at a time (tokens/s), and the
 bytes one training forward keeps for the backward pass, in fp32 and under bf16 autocast.
 Writes bench/results/inner_overhead.json.
@@ -88,6 +89,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU seconds instead of wall seconds (steadier on a loaded CPU box; CPU "
+                         "device only)")
     ap.add_argument("--loss-chunk", type=int, default=512, help="tokens per chunk in the lean-loss comparison; "
                                                                 "0 skips it")
     ap.add_argument("--torchrun", type=int, default=0, metavar="N", help="compare a worker of N processes")
@@ -121,6 +125,9 @@ def main() -> None:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if args.clock == "cpu" and device.type != "cpu":
+        sys.exit("--clock cpu measures CPU seconds: only with --device cpu")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     tokens = args.steps * args.batch * args.seq
     hb = Heartbeat(tmp / "progress.json", 0)
 
@@ -129,11 +136,11 @@ def main() -> None:
 
         def run() -> float:
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             trainer.train_steps(sampler.next_batch, args.steps,
                                 lambda i, loss: hb.beat(status="training", round=0, step=i + 1, loss=loss))
             sync()
-            return tokens / (time.perf_counter() - t0)
+            return tokens / (clock() - t0)
         return run
 
     trainer = InnerTrainer(cfg, build_model(cfg), device)
@@ -145,12 +152,12 @@ def main() -> None:
 
     def bare() -> float:
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         bare_steps(bare_fwd, opt, pre, lambda: autocast_for(trainer.precision, device))
         sync()
-        return tokens / (time.perf_counter() - t0)
+        return tokens / (clock() - t0)
 
-    setting = f"{trainer.precision}, compile {'on' if bare_fwd is not bare_model else 'off'}"
+    setting = f"{trainer.precision}, compile {'on' if bare_fwd is not bare_model else 'off'}, {args.clock} clock"
     b, o, ratio = interleaved(bare, ours_fn(trainer), args.repeats, "bare", "ours", verbose=True)
     print(table([["bare PyTorch loop", f"{median(b):.0f}"], ["our inner loop", f"{median(o):.0f}"],
                  ["ratio (target >= 1.0)", f"{ratio:.3f}"]],

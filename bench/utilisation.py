@@ -1,0 +1,128 @@
+"""Worker utilisation: inner-step time / wall time and idle seconds per round, synchronous vs delayed outer step.
+
+    python bench/utilisation.py                          # 4 workers, bench-llama, H=25, BASE_DIR on a 10 MB/s disk
+    python bench/utilisation.py --mbps 0                 # no throttle (the local disk)
+    python bench/utilisation.py --model configs/bench-llama.json --workers 4 --H 25 --rounds 8 --codecs none int8
+
+Each configuration is a real `diloco_sim.py` run (worker processes, BASE_DIR protocol). BASE_DIR sits on a FUSE
+passthrough with a bandwidth cap (bench/throttlefs.py: every read and write of the protocol crosses one shared
+budget, like one NFS link), so the I/O share of a round is what a slow shared disk gives on a CPU box. Per worker,
+from its sidecars: busy = Σ inner-step seconds, wall = from its first step to its last delta, idle per round =
+(wall − busy) / (rounds − 1). Printed for overlap=none and overlap=delayed in the same run, with the ratio of idle
+times. Targets (issue #14): idle(delayed) <= 5% of idle(none); utilisation >= 97% where none gets <= 80%.
+Needs /dev/fuse, libfuse2 and fusepy for the throttle (otherwise use --mbps 0). Writes bench/results/utilisation.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO, save_result, table
+
+
+def mount(backing: Path, mnt: Path, mbps: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "throttlefs.py"), str(backing), str(mnt),
+                             "--mbps", str(mbps)], stderr=subprocess.PIPE, text=True)
+    for _ in range(100):
+        if subprocess.run(["mountpoint", "-q", str(mnt)]).returncode == 0:
+            return proc
+        if proc.poll() is not None:
+            raise SystemExit(f"throttlefs failed: {proc.stderr.read()[-2000:]} (needs /dev/fuse, libfuse2, fusepy; "
+                             f"or run with --mbps 0)")
+        time.sleep(0.1)
+    raise SystemExit("throttlefs did not mount in 10 s")
+
+
+def unmount(mnt: Path, proc: subprocess.Popen) -> None:
+    subprocess.run(["fusermount", "-u", str(mnt)], check=False)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def measure(run_dir: Path, workers: int, rounds: int) -> dict:
+    per = {}
+    for w in range(workers):
+        sides = []
+        for r in range(rounds):
+            f = run_dir / "rounds" / f"r{r:06d}" / "deltas" / f"w{w:03d}.json"
+            if f.is_file():
+                sides.append(json.loads(f.read_text()))
+        if len(sides) < 2:
+            continue
+        busy = sum(s["train_seconds"] for s in sides)
+        start = sides[0]["time"] - sides[0]["train_seconds"]
+        wall = sides[-1]["time"] - start
+        per[w] = {"busy_s": busy, "wall_s": wall, "utilisation": busy / wall,
+                  "idle_per_round_s": (wall - busy) / (len(sides) - 1)}
+    return {"workers": per, "utilisation": statistics.mean(v["utilisation"] for v in per.values()),
+            "idle_per_round_s": statistics.mean(v["idle_per_round_s"] for v in per.values())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="configs/bench-llama.json")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--H", type=int, default=25)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--mbps", type=float, default=10.0, help="shared-disk bandwidth cap in MB/s; 0 = no throttle")
+    ap.add_argument("--codecs", nargs="+", default=["none"], help="outer.compression values to run")
+    ap.add_argument("--timeout", type=float, default=1800)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="edt-util-"))
+    backing, mnt = tmp / "backing", tmp / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    fs = mount(backing, mnt, args.mbps) if args.mbps > 0 else None
+    base = mnt if fs else backing
+    results, rows = {}, []
+    try:
+        for codec in args.codecs:
+            for overlap in ("none", "delayed"):
+                name = f"{codec}/{overlap}"
+                sets = [f"model.name={args.model}", f"data.seq_length={args.seq}",
+                        f"inner.per_device_batch_size={args.batch}", f"inner.total_batch_size={args.batch}",
+                        f"outer.num_workers={args.workers}", f"outer.local_steps={args.H}",
+                        f"outer.rounds={args.rounds}", f"outer.keep_rounds={args.rounds + 2}",
+                        f"outer.compression={codec}", f"outer.overlap={overlap}", "eval.every=1000",
+                        "logging.plot=false", "data.max_tokens=2000000"]
+                cmd = [sys.executable, str(REPO / "diloco_sim.py"), "--config", str(REPO / "evolution.json"),
+                       "--base-dir", str(base), "--project", f"u_{codec}_{overlap}", "--no-progress",
+                       *[a for s in sets for a in ("--set", s)]]
+                t0 = time.perf_counter()
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+                if out.returncode != 0:
+                    raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+                m = measure(base / f"u_{codec}_{overlap}", args.workers, args.rounds)
+                m["seconds"] = time.perf_counter() - t0
+                results[name] = m
+                print(f"  {name}: utilisation {m['utilisation'] * 100:.1f}%, idle {m['idle_per_round_s']:.2f} s "
+                      f"per round ({m['seconds']:.0f} s)", flush=True)
+            sync, dl = results[f"{codec}/none"], results[f"{codec}/delayed"]
+            for ov, m in (("none", sync), ("delayed", dl)):
+                rows.append([codec, ov, f"{m['utilisation'] * 100:.1f}%", f"{m['idle_per_round_s']:.2f} s",
+                             f"{m['idle_per_round_s'] / sync['idle_per_round_s'] * 100:.1f}%"
+                             if sync["idle_per_round_s"] > 0 else "-"])
+    finally:
+        if fs:
+            unmount(mnt, fs)
+        shutil.rmtree(tmp, ignore_errors=True)
+    disk = f"a FUSE passthrough capped at {args.mbps:g} MB/s" if args.mbps > 0 else "the local disk"
+    print(f"\n{args.workers} workers, {args.model}, H={args.H}, {args.rounds} rounds, BASE_DIR on {disk}")
+    print(table(rows, ["compression", "overlap", "utilisation (busy / wall)", "idle per round",
+                       "idle vs overlap=none (target <= 5%)"]))
+    save_result("utilisation", {"args": vars(args), "results": results})
+
+
+if __name__ == "__main__":
+    main()
