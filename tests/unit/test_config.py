@@ -44,7 +44,7 @@ def test_repo_evolution_json_loads():
     assert cfg.outer.lr == raw["outer"]["lr"] and cfg.outer.momentum == raw["outer"]["momentum"]
     assert cfg.outer.nesterov is True
     assert cfg.data.seq_length == raw["data"]["seq_length"]
-    assert cfg.inner.precision == "fp32"
+    assert cfg.inner.precision == "auto"  # bf16-mixed where a GPU is present, fp32 on CPU (train/core/inner.py)
     # relative BASE_DIR resolves next to the file, i.e. in the repo
     assert cfg.run_dir == REPO / raw["BASE_DIR"] / "diloco-shakespeare"
     assert load_config(REPO / "evolution.json", strategy="edt").run_dir == REPO / raw["BASE_DIR"] / "edt-shakespeare"

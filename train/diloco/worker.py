@@ -359,6 +359,8 @@ class Worker:
 
         if main:
             self.hb.beat(force=True, status="replaying" if replay else "training", round=r, step=0, steps=H)
+        if cfg.inner.reset_state:  # the paper's "reset" variant: fresh inner moments every round (replays too)
+            self.trainer.reset_optimizer_state()
         stats = self.trainer.train_steps(self.batches.next_batch, H, on_step)
         if self.dist.enabled:
             # FSDP2 shards are gathered (a collective: every rank takes part); DDP copies are already whole.

@@ -21,7 +21,7 @@ import torch
 
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
-from train.core.outer import outer_step_tensor
+from train.core.outer import outer_lr_at, outer_step_tensor
 from train.core.store import RunPaths, atomic_publish_dir, new_tmp_dir, read_json, write_manifest
 from train.core.tensorio import StreamingWriter, iter_tensors
 from train.exchange.accumulate import Accumulator
@@ -145,7 +145,7 @@ class OuterMaster:
         """The outer step of round r from the accumulated deltas: updates momentum (and, with a codec, the residual
         and self._seen / self._pre); returns (stored update tensors or {}, θ* for no codec)."""
         oc = self.oc
-        lr = oc.lr if lr is None else lr
+        lr = outer_lr_at(r, oc) if lr is None else lr
         stored: dict[str, torch.Tensor] = {}
         new_theta: dict[str, torch.Tensor] = {}
         self._seen, self._pre = {}, {}
