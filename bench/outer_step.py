@@ -74,7 +74,7 @@ def one_round(cfg, paths, n: int, at_end: bool) -> tuple[float, int, int]:
         if w not in early:
             acc.add(w, check_sidecar(paths, 0, w, m.delta_codec))
     fields = m.step(0, acc)
-    commit(paths, 1, {k: fields[k] for k in ("theta_sha256", "checkpoint", "codec")})
+    commit(paths, 1, {k: fields[k] for k in ("theta_sha256", "checkpoint", "codec") if k in fields})
     dt = time.perf_counter() - t0
     read, written = acc.bytes_read - read_before, fields["bytes_written"]
     m.discard_uncommitted(0)

@@ -200,8 +200,9 @@ class OuterMaster:
                 for k, v in state.items():
                     mw.write(k, v)
             written += mw.nbytes
-        fields.update(theta_sha256=theta_checksum(self.theta.tensors, self.names), checkpoint=checkpoint,
-                      codec=self.codec.name if self.codec else "none", bytes_written=written)
+        if self.codec is not None:  # without a codec every copy loads the file itself: its MANIFEST has the sha256
+            fields["theta_sha256"] = theta_checksum(self.theta.tensors, self.names)
+        fields.update(checkpoint=checkpoint, codec=self.codec.name if self.codec else "none", bytes_written=written)
         return fields
 
     def discard_uncommitted(self, r: int) -> None:
