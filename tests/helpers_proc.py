@@ -57,3 +57,48 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+
+
+def kill_sim_at_random_moments(cmd: list[str], paths, rounds: int, seed: int, tries: int, max_pause: float,
+                               workers: int = 2) -> int:
+    """Start `cmd` (a simulator), let it commit a new round, SIGKILL it after a random pause; up to `tries` times or
+    until round `rounds` is committed. Waits until the killed runs' workers are gone; returns the number of kills."""
+    import random
+
+    rng = random.Random(seed)
+    kills = 0
+    for _ in range(tries):
+        sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        start = paths.latest_committed() or 0
+        try:
+            wait_until(lambda: (paths.latest_committed() or 0) > start, 240, "a new commit", sim)
+            time.sleep(rng.uniform(0.0, max_pause))
+        except AssertionError:
+            pass
+        if sim.poll() is None:
+            sim.send_signal(signal.SIGKILL)
+            kills += 1
+        sim.wait(30)
+        if paths.latest_committed() == rounds:
+            break
+    wait_until_workers_gone(paths, workers)
+    return kills
+
+
+def wait_until_workers_gone(paths, workers: int, timeout: float = 60.0) -> None:
+    """The workers die with the simulator, a moment after it (their supervisor is told by the kernel): a rerun
+    before that would find their locks held."""
+    import fcntl
+
+    def free(w):
+        f = paths.worker_dir(w) / "lock"
+        if not f.exists():
+            return True
+        with open(f, "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            return True
+    wait_until(lambda: all(free(w) for w in range(workers)), timeout, "the killed run's workers exit")

@@ -6,16 +6,14 @@ of the whole simulator at random moments, host-local worker state, and what the 
 from __future__ import annotations
 
 import json
-import random
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from helpers_proc import run_script, script_cmd, wait_until
+from helpers_proc import kill_sim_at_random_moments, run_script, script_cmd, wait_until
 from train.core.config import build_config
 from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, verify_manifest
 from train.core.tensorio import load_tensors
@@ -76,46 +74,6 @@ def test_int8_run_keeps_one_theta_checkpoints_load_and_host_local_state(tmp_path
     assert 2 * values * 1.125 < r3["bytes_deltas"] < 2 * values * 1.125 * 1.15
 
 
-def _kill_at_random_moments(cmd, paths, rounds, seed):
-    rng = random.Random(seed)
-    kills = 0
-    for _ in range(2):
-        sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-        start = paths.latest_committed() or 0
-        try:
-            wait_until(lambda: (paths.latest_committed() or 0) > start, 240, "a new commit", sim)
-            time.sleep(rng.uniform(0.0, 1.0))
-        except AssertionError:
-            pass
-        if sim.poll() is None:
-            sim.send_signal(signal.SIGKILL)
-            kills += 1
-        sim.wait(30)
-        if paths.latest_committed() == rounds:
-            break
-    _wait_until_workers_gone(paths)
-    return kills
-
-
-def _wait_until_workers_gone(paths, workers=2, timeout=60.0):
-    """The workers die with the simulator, a moment after it (their supervisor is told by the kernel): a rerun
-    before that would find their locks held."""
-    import fcntl
-
-    def free(w):
-        f = paths.worker_dir(w) / "lock"
-        if not f.exists():
-            return True
-        with open(f, "a+") as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            fcntl.flock(fh, fcntl.LOCK_UN)
-            return True
-    wait_until(lambda: all(free(w) for w in range(workers)), timeout, "the killed run's workers exit")
-
-
 def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path):
     """Coordinator replay (momentum, residual from the deltas since the checkpoint) and worker replay (rounds whose
     state snapshot was lost) give the uninterrupted run's model, bit for bit."""
@@ -125,7 +83,8 @@ def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path):
     out = run_script("diloco_sim.py", "--config", str(ref_cfg), timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     cfg, paths = _write(tmp_path, "killed", **fixed)
-    kills = _kill_at_random_moments(script_cmd("diloco_sim.py", "--config", str(cfg)), paths, 4, seed=3)
+    kills = kill_sim_at_random_moments(script_cmd("diloco_sim.py", "--config", str(cfg)), paths, 4, seed=3,
+                                       tries=2, max_pause=1.0)
     assert kills >= 1
     out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr

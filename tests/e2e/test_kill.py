@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from helpers_proc import run_script, script_cmd, wait_until
+from helpers_proc import kill_sim_at_random_moments, run_script, script_cmd, wait_until
 from train.core.config import build_config
 from train.diloco.coordinator import Coordinator
 from train.core.store import RunPaths, read_json, read_jsonl, verify_manifest
@@ -66,26 +64,9 @@ def test_sigkill_simulator_at_random_moments_then_rerun_finishes(write_config, t
     """The simulator hosts the coordinator: kill it (workers die with it) at random points, several times."""
     cfg = write_config(outer={"rounds": 6, "local_steps": 4, "keep_rounds": 1})
     paths = RunPaths(tmp_path / "runs" / "t")
-    cmd = script_cmd("diloco_sim.py", "--config", str(cfg))
-    rng = random.Random(0)
-    kills = 0
-    for _ in range(3):
-        sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-        start = paths.latest_committed() or 0
-        try:
-            wait_until(lambda: (paths.latest_committed() or 0) > start, 240, "a new commit", sim)
-            time.sleep(rng.uniform(0.0, 1.5))
-        except AssertionError:
-            pass
-        if sim.poll() is None:
-            sim.send_signal(signal.SIGKILL)
-            kills += 1
-        sim.wait(30)
-        if paths.latest_committed() == 6:
-            break
+    kills = kill_sim_at_random_moments(script_cmd("diloco_sim.py", "--config", str(cfg)), paths, 6, seed=0,
+                                       tries=3, max_pause=1.5)
     assert kills >= 1
-    # the workers died with the simulator: none holds its lock any more
-    time.sleep(1)
     out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     _check_finished(paths, 6, 2, 4, 8, 32)
