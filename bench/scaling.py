@@ -1,0 +1,267 @@
+"""DiLoCo against data-parallel at equal tokens, following Charles et al. 2025 ("Scaling Laws for DiLoCo",
+arXiv 2503.09799) at a size 2 CPU cores train.
+
+    python bench/scaling.py                   # the default study: 32 runs, 2 seeds (70 min on 2 busy CPU cores)
+    python bench/scaling.py --quick           # a smoke version: 60 steps, 1 seed, M 1 4, H 10 30 (10 runs)
+    python bench/scaling.py --device cuda     # the same study on a GPU (inner.device; auto picks CUDA anyway)
+    python bench/scaling.py --report          # the table again from the recorded runs, without running any
+
+Time: 70 min wall for the default study on 2 CPU cores that another job kept at load 9-15 (2-5 runs at a time);
+one run of DP alone trains at ~30k tokens/s on the 2 idle cores (~50 s with start-up and evaluation).
+
+Protocol. Model: configs/scaling-llama.json, a Llama of 116,000 parameters of which 65,536 are the tied 2048 x 32
+embedding and 50,464 the rest (4 layers, hidden 32, MLP 88, 2 heads). Data: the shipped corpus (27 Shakespeare
+plays, 1.167M tokens with the shipped 2048-token BPE); the last 5% (`data.eval_fraction`, 58k tokens) is held out
+and every run is evaluated at its end on the same 384 held-out windows of 144 tokens (55k tokens). Budget: T = 300
+steps of a fixed global batch of 24 windows x 144 tokens = 1.04M training tokens = 20.5 tokens per non-embedding
+parameter (8.9 per parameter with the embedding), 0.94 epochs of the training split, so no window is seen twice.
+Rows, every one a real `diloco_sim.py` run (worker processes, BASE_DIR protocol) in a temp folder:
+  DP        one worker with the global batch for T steps (outer lr 1, momentum 0: a plain AdamW run);
+  DiLoCo    M workers, each with batch 24/M, T steps each (equal tokens, equal steps), an outer step every H,
+            M in {1, 2, 4} x H in {10, 30, 100};
+the paper's recipe for both: AdamW (0.9, 0.99), linear warmup over 5% of T then cosine to 5% of the peak, weight
+decay 1/T (inner.weight_decay_mode = inverse_steps), gradient clipping 1, inner state kept across rounds, Nesterov
+outer momentum 0.9 with a constant outer lr of 0.4 for M = 1 and 0.6 for M = 2, 4 (0.8 for M = 8). Beyond the
+paper, at H = 30: MuLoCo (inner.optimizer = muon) for the smallest and largest M and a DP Muon row, the delayed
+outer step (outer.overlap = delayed) at the largest M, and the project's default outer step (lr 1, momentum 0:
+parameter averaging) for every M > 1 (--outer LR,MOM ... adds rows with other outer steps at H = 30 for every M).
+The inner peak lr was tuned for DP on seed 0: AdamW 1.6e-2 (of 6e-3, 9e-3, 1.2e-2, 1.6e-2, 2.4e-2), Muon 0.05 (of
+0.02, 0.05, 0.1).
+
+Each row: mean eval loss over the seeds, the per-seed values, the change against DP of the same seed (mean over
+seeds) and the paper's figure at 35M parameters on C4 (H = 30) for that M. Writes bench/results/scaling.json,
+scaling.md (the table) and scaling.png (eval loss against M per H, DP as a line). Each finished run is appended to
+bench/results/scaling-runs.jsonl, keyed by its overrides; a rerun reuses those (--fresh: run everything again).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from common import REPO, RESULTS, save_result, table
+
+PAPER = {1: -0.1, 2: 0.7, 4: 2.0, 8: 3.9}  # DiLoCo vs DP at 35M parameters, C4, H = 30, % of eval loss
+OUTER_LR = {1: 0.4, 2: 0.6, 4: 0.6, 8: 0.8}  # the paper's best constant outer lr per M
+
+
+def params(model: str) -> tuple[int, int]:
+    """(all parameters, the embedding's) of a config JSON; a tied output head is counted once."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / model))
+    return sum(p.numel() for p in m.parameters()), m.get_input_embeddings().weight.numel()
+
+
+def run(base: Path, name: str, sets: list[str], threads: int, timeout: float) -> dict:
+    """One real diloco_sim.py run in base/name; its final eval loss, tokens and the corpus size, then delete it."""
+    cmd = [sys.executable, str(REPO / "diloco_sim.py"), "--config", str(REPO / "evolution.json"), "--base-dir",
+           str(base), "--project", name, "--no-progress", "--threads", str(threads),
+           *[a for s in sets for a in ("--set", s)]]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if out.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+    last = json.loads((base / name / "metrics.jsonl").read_text().splitlines()[-1])
+    meta = json.loads(next((base / name / "data").glob("*/meta.json")).read_text())
+    shutil.rmtree(base / name, ignore_errors=True)
+    return {"eval_loss": last["eval_loss"], "tokens": last["tokens"], "corpus_tokens": meta["tokens"],
+            "seconds": time.perf_counter() - t0}
+
+
+def rows(args) -> list[dict]:
+    """Every run of the study: name, M, H, outer lr / momentum, extra overrides, the paper's figure."""
+    out = [{"name": "DP", "M": 0, "H": args.steps, "lr": 1.0, "mom": 0.0, "sets": [], "paper": None}]
+    for H in args.H:
+        out += [{"name": f"DiLoCo M={M} H={H}", "M": M, "H": H, "lr": OUTER_LR[M], "mom": 0.9, "sets": [],
+                 "paper": PAPER[M] if H == 30 else None} for M in args.M]
+    if args.core_only or 30 not in args.H:
+        return out
+    big = max(args.M)
+    out.append(dict(out[0], name="DP, Muon", sets=["inner.optimizer=muon"]))
+    out += [{"name": f"MuLoCo M={M} H=30", "M": M, "H": 30, "lr": OUTER_LR[M], "mom": 0.9,
+             "sets": ["inner.optimizer=muon"], "paper": None} for M in sorted({min(args.M), big})]
+    out.append({"name": f"DiLoCo M={big} H=30, delayed outer step", "M": big, "H": 30, "lr": OUTER_LR[big],
+                "mom": 0.9, "sets": ["outer.overlap=delayed"], "paper": None})
+    out += [{"name": f"DiLoCo M={M} H=30, averaging (lr 1, mom 0: project default)", "M": M, "H": 30, "lr": 1.0,
+             "mom": 0.0, "sets": [], "paper": None} for M in args.M if M > 1]  # averaging with M = 1 is DP
+    for lr, mom in (map(float, o.split(",")) for o in args.outer):
+        out += [{"name": f"DiLoCo M={M} H=30, outer lr {lr} mom {mom}", "M": M, "H": 30, "lr": lr, "mom": mom,
+                 "sets": [], "paper": None} for M in args.M if (lr, mom) != (1.0, 0.0)]
+    return out
+
+
+def overrides(args, row: dict, seed: int) -> list[str]:
+    M, T = max(row["M"], 1), args.steps
+    if T % row["H"] or args.batch % M:
+        raise SystemExit(f"{row['name']}: --steps {T} must be a multiple of H and --batch {args.batch} of M")
+    b = args.batch // M
+    sets = [f"seed={seed}", f"model.name={args.model}", f"data.seq_length={args.seq}", "data.eval_fraction=0.05",
+            f"inner.lr={args.lr}", f"inner.muon_lr={args.muon_lr}", "inner.beta1=0.9", "inner.beta2=0.99",
+            f"inner.warmup_steps={max(1, T // 20)}", f"inner.total_steps={T}", "inner.min_lr_ratio=0.05",
+            "inner.weight_decay_mode=inverse_steps", "inner.grad_clip=1.0", "inner.reset_state=false",
+            f"inner.per_device_batch_size={b}", f"inner.total_batch_size={b}",
+            f"outer.num_workers={M}", f"outer.local_steps={row['H']}", f"outer.rounds={T // row['H']}",
+            f"outer.lr={row['lr']}", f"outer.momentum={row['mom']}", "outer.nesterov=true", "outer.keep_rounds=1",
+            "eval.batch_size=32", f"eval.batches={args.eval_batches}", f"eval.every={T}", "logging.plot=false"]
+    if args.device:
+        sets.append(f"inner.device={args.device}")
+    return sets + row["sets"] + args.set
+
+
+def plot(res: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    dp = next(r for r in res if r["name"] == "DP")
+    ax.axhline(dp["mean"], color="k", ls="--", label=f"DP ({dp['mean']:.3f})")
+    for r in res:
+        if r["name"] == "DP, Muon":
+            ax.axhline(r["mean"], color="gray", ls=":", label=f"DP, Muon ({r['mean']:.3f})")
+    series: dict[str, list[dict]] = {}
+    for r in res:
+        if r["name"].startswith("DiLoCo") and "," not in r["name"]:
+            series.setdefault(f"DiLoCo H={r['H']}", []).append(r)
+        elif r["name"].startswith("MuLoCo"):
+            series.setdefault("MuLoCo H=30", []).append(r)
+        elif "averaging" in r["name"]:
+            series.setdefault("DiLoCo H=30, averaging (project default)", []).append(r)
+    for label, rs in series.items():
+        xs, ys = [r["M"] for r in rs], [r["mean"] for r in rs]
+        err = [[r["mean"] - min(r["losses"]) for r in rs], [max(r["losses"]) - r["mean"] for r in rs]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
+    single = [r for r in res if r["name"].startswith("DiLoCo") and "," in r["name"] and "averaging" not in r["name"]]
+    for r, marker in zip(single, "xsD^v<>p*h"):
+        ax.plot([r["M"]], [r["mean"]], marker, ms=8, label=r["name"].split(", ", 1)[1] + f", M={r['M']}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["M"] for r in res if r["M"]}), [str(m) for m in sorted({r["M"] for r in res if r["M"]})])
+    ax.set_xlabel("DiLoCo workers M (global batch fixed)")
+    ax.set_ylabel("held-out eval loss (mean over seeds; bars: min-max)")
+    ax.set_title("DiLoCo vs DP at equal tokens, 116k-param Llama, Shakespeare")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--M", type=int, nargs="+", default=[1, 2, 4], choices=sorted(OUTER_LR))
+    ap.add_argument("--H", type=int, nargs="+", default=[10, 30, 100])
+    ap.add_argument("--steps", type=int, default=300, help="T: steps of every run (each worker's, for DiLoCo)")
+    ap.add_argument("--batch", type=int, default=24, help="global batch in windows (DiLoCo: batch / M per worker)")
+    ap.add_argument("--seq", type=int, default=144)
+    ap.add_argument("--lr", type=float, default=1.6e-2, help="inner AdamW peak lr")
+    ap.add_argument("--muon-lr", type=float, default=0.05)
+    ap.add_argument("--eval-batches", type=int, default=12, help="held-out batches of 32 windows")
+    ap.add_argument("--model", default="configs/scaling-llama.json")
+    ap.add_argument("--device", default="", help="inner.device of every run (default: the config's, auto)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override of every run")
+    ap.add_argument("--outer", nargs="*", default=[], metavar="LR,MOM",
+                    help="extra rows at H=30 for every M: outer lr and Nesterov momentum, e.g. 1.0,0 0.2,0.9")
+    ap.add_argument("--core-only", action="store_true", help="only the paper's rows (DP, DiLoCo M x H)")
+    ap.add_argument("--quick", action="store_true", help="smoke version: 60 steps, seed 0, M 1 4, H 10 30")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at a time (threads per process: cores / jobs / M)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    ap.add_argument("--report", action="store_true", help="no new runs: the table of the rows already recorded")
+    ap.add_argument("--fresh", action="store_true", help="ignore the runs recorded by an earlier invocation")
+    ap.add_argument("--out", default="scaling", help="results name under bench/results/")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.seeds, args.M, args.H, args.out = 60, [0], [1, 4], [10, 30], args.out + "-quick"
+
+    total, emb = params(args.model)
+    plan = rows(args)
+    base = Path(tempfile.mkdtemp(prefix="edt-scaling-"))
+    t0 = time.perf_counter()
+
+    cache_path, lock = RESULTS / f"{args.out}-runs.jsonl", threading.Lock()
+    cache = {} if args.fresh or not cache_path.exists() else \
+        {(e := json.loads(line))["key"]: e["result"] for line in cache_path.read_text().splitlines()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    before = set(cache)
+
+    def one(job: tuple[int, int]) -> None:
+        i, seed = job
+        row = plan[i]
+        sets = overrides(args, row, seed)
+        key = " ".join(sets)
+        if key not in cache and args.report:
+            return
+        if key not in cache:
+            threads = max(1, (os.cpu_count() or 1) // (args.jobs * max(row["M"], 1)))
+            cache[key] = run(base, f"r{i}s{seed}", sets, threads, args.timeout)
+            with lock, cache_path.open("a") as f:
+                f.write(json.dumps({"key": key, "result": cache[key]}) + "\n")
+        r = row["runs"][seed] = cache[key]
+        print(f"  {row['name']} seed {seed}: eval loss {r['eval_loss']:.4f} ({r['seconds']:.0f}s)", flush=True)
+
+    for row in plan:
+        row["runs"] = {}
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            first = sorted(range(len(plan)), key=lambda i: plan[i]["H"] not in (30, args.steps))  # H=30 rows first
+            list(pool.map(one, [(i, s) for i in first for s in args.seeds]))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    wall = time.perf_counter() - t0
+    missing = [row["name"] for row in plan if len(row["runs"]) < len(args.seeds)]
+    plan = [row for row in plan if row["name"] not in missing]
+    reused = sum(1 for row in plan for seed in args.seeds if " ".join(overrides(args, row, seed)) in before)
+    run_s = sum(r["seconds"] for row in plan for r in row["runs"].values())
+
+    dp = {s: v["eval_loss"] for s, v in plan[0]["runs"].items()}
+    for row in plan:
+        row["losses"] = [row["runs"][s]["eval_loss"] for s in args.seeds]
+        row["mean"] = statistics.mean(row["losses"])
+        row["vs_dp"] = [(row["runs"][s]["eval_loss"] / dp[s] - 1) * 100 for s in args.seeds]
+        row["vs_dp_mean"] = statistics.mean(row["vs_dp"])
+    tokens = plan[0]["runs"][args.seeds[0]]["tokens"]
+    corpus = plan[0]["runs"][args.seeds[0]]["corpus_tokens"]
+    n_eval = int(corpus * 0.05)
+    n_train = corpus - n_eval
+    header = ["run", "M", "H", "outer lr / mom", "eval loss", "per seed", "vs DP (per seed)", "vs DP", "paper"]
+    body = [[r["name"], r["M"] or "-", r["H"] if r["M"] else "-", f"{r['lr']} / {r['mom']}", f"{r['mean']:.4f}",
+             " ".join(f"{x:.4f}" for x in r["losses"]), " ".join(f"{x:+.2f}%" for x in r["vs_dp"]),
+             f"{r['vs_dp_mean']:+.2f}%" if r is not plan[0] else "—",
+             f"{r['paper']:+.1f}%" if r["paper"] is not None else ""] for r in plan]
+    checks = []
+    for M, limit in ((1, 0.0), (2, 0.7), (4, 2.0)):
+        r = next((r for r in plan if r["name"] == f"DiLoCo M={M} H=30"), None)
+        if r:
+            checks.append(f"DiLoCo M={M} H=30 vs DP {r['vs_dp_mean']:+.2f}% (target <= {limit:+.1f}%): "
+                          f"{'met' if r['vs_dp_mean'] <= limit else 'not met'}")
+    better = [r["name"] for r in plan if r["M"] in PAPER and r["vs_dp_mean"] < PAPER[r["M"]]]
+    checks.append("better than the paper's figure for its M: " + (", ".join(better) or "none"))
+    if missing:
+        checks.append("not run (--report): " + ", ".join(missing))
+    summary = (f"{args.model}: {total:,} parameters ({total - emb:,} without the embedding); T = {args.steps} steps "
+               f"x {args.batch} x {args.seq} tokens = {tokens / 1e6:.3f}M tokens = {tokens / (total - emb):.1f} "
+               f"per non-embedding parameter ({tokens / total:.1f} per parameter), {tokens / n_train:.2f} epochs of "
+               f"{n_train / 1e6:.3f}M training tokens; eval on {args.eval_batches * 32} held-out windows; "
+               f"seeds {' '.join(map(str, args.seeds))}; the runs took {run_s / 60:.0f} min summed; "
+               f"this invocation {wall / 60:.1f} min wall ({reused} runs reused from {cache_path.name})")
+    md = "\n".join([summary, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                    *["| " + " | ".join(str(c) for c in b) + " |" for b in body], "", *[f"- {c}" for c in checks]])
+    print("\n" + summary + "\n" + table(body, header) + "\n\n" + "\n".join(checks))
+    (RESULTS / f"{args.out}.md").write_text(md + "\n")
+    plot(plan, RESULTS / f"{args.out}.png")
+    save_result(args.out, {"args": vars(args), "params": total, "embedding_params": emb, "tokens": tokens,
+                           "train_tokens": n_train, "eval_tokens": n_eval, "wall_s": wall, "run_s": run_s,
+                           "reused": reused, "checks": checks, "rows": plan})
+
+
+if __name__ == "__main__":
+    main()
