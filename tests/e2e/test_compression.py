@@ -115,6 +115,8 @@ def _publish(co, w, seed, corrupt=None):
     f = paths.delta_file(0, w)
     file = write_delta(f, co.names, theta, params, codec, 0, w)
     side = delta_sidecar(0, w, file, inner_steps=5, tokens=1000, loss=3.0)
+    off, n = co.layout.slice(0, w)  # the slice of the data layout this delta says it was trained on
+    side["data"] = {"segment": 0, "offset": off, "windows": n, "read": n}
     if corrupt == "nan_scale":
         from safetensors.torch import load_file, save_file
         t = load_file(str(f))

@@ -3,13 +3,13 @@
     python -m train.diloco.worker --config evolution.json --worker 0 [--set inner.lr=1e-3 ...]
 
 Round r, worker w (docs/protocol.md):
-  1. wait until θ_r is committed; load it (and our inner optimizer state / data position on a restart)
-  2. H inner AdamW steps on our shard
+  1. wait until θ_r is committed; load it (and our inner optimizer state on a restart)
+  2. H inner AdamW steps on our slice of round r's data (train/exchange/layout.py: disjoint per round and worker)
   3. write Δ = θ_r − θ_w to workers/wXXX/delta-r.safetensors (private, atomic)
-  4. save optimizer state + state.json {round_done: r, data position, step}   <- our resume point
+  4. save state.json {round_done: r, step, sidecar} (+ optimizer state in the background)   <- our resume point
   5. publish: move the delta into rounds/r/deltas/ and write its JSON sidecar (the sidecar marks it complete)
-A crash before 4 redoes round r from the same data position; a crash between 4 and 5 publishes the saved delta on
-restart (or drops it when the run has moved on). Nothing is trained twice and no data is replayed or skipped.
+A crash before 4 redoes round r on the same data (a round's slice is fixed by the layout); a crash between 4 and 5
+publishes the saved delta on restart (or drops it when the run has moved on). Nothing is trained twice.
 
 A worker may be a torchrun group (`python -m torch.distributed.run --nproc_per_node N -m train.diloco.worker ...`, see
 train/core/dist.py): rank 0 does every step above that touches BASE_DIR and tells the other ranks, by broadcast, which
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from train.core.config import ConfigError, RunConfig
-from train.core.data import ShardSampler, TokenData, find_data
+from train.core.data import StreamSampler, TokenData, find_data
 from train.core.dist import (
     DistInfo,
     RankBatches,
@@ -44,6 +44,7 @@ from train.core.inner import InnerTrainer
 
 from train.core.heartbeat import Heartbeat
 from train.exchange.codec import Residual
+from train.exchange.layout import Layout
 from train.exchange.master import exchange_codecs
 from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
 from train.exchange.theta import GlobalTheta
@@ -74,9 +75,9 @@ def build_worker_model(paths: RunPaths, model_config: dict | None = None):
 
 class Worker:
     def __init__(self, cfg: RunConfig, worker_id: int):
-        if not 0 <= worker_id < cfg.outer.num_workers:
-            raise ConfigError(f"--worker {worker_id}: must be in 0..{cfg.outer.num_workers - 1} "
-                              f"(outer.num_workers = {cfg.outer.num_workers})")
+        if not 0 <= worker_id < 1000:
+            raise ConfigError(f"--worker {worker_id}: must be in 0..999 (0..outer.num_workers-1 for the run's "
+                              f"workers; the next id to join a running run, docs/elastic.md)")
         self.cfg, self.w = cfg, worker_id
         self.dist = DistInfo()  # set by setup(): rank 0 of 1 unless started by torchrun
         self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
@@ -129,13 +130,12 @@ class Worker:
         self._snapshot: threading.Thread | None = None
         self._snapshot_error: BaseException | None = None
         self.io = {"read": 0, "written": 0}  # BASE_DIR bytes of the current round (into the next sidecar)
-        position = self.restore_state()
-        self.sampler = ShardSampler(self.data, self.w, cfg.outer.num_workers, cfg.seed, position)
+        self.restore_state()
+        self.sampler = StreamSampler(self.data, cfg.seed)
         self.batches = RankBatches(self.sampler, self.dist, cfg.inner.total_batch_size) if self.dist.enabled \
             else self.sampler
-        lo, hi = self.sampler.lo, self.sampler.hi
-        log.info("worker %d on %s: shard windows [%d, %d) of %d tokens each, device %s%s", self.w,
-                 socket.gethostname(), lo, hi, cfg.data.seq_length, self.device,
+        log.info("worker %d on %s: %d training windows of %d tokens, device %s%s", self.w, socket.gethostname(),
+                 self.data.n_train_windows, cfg.data.seq_length, self.device,
                  f", {self.dist.world} processes ({cfg.inner.parallel})" if self.dist.enabled else "")
         self.replay()
 
@@ -148,24 +148,24 @@ class Worker:
             return self.paths.worker_dir(self.w)
         return Path(os.path.expanduser(sd.format(worker=self.w))) / self.cfg.project_name / f"w{self.w:03d}"
 
-    def restore_state(self) -> int:
-        """Load the newest snapshot of our private state; returns the data position to start from (the snapshot's:
-        rounds after it are replayed by `replay`, or skipped when they cannot be, see there)."""
+    def restore_state(self) -> None:
+        """Load the newest snapshot of our private state (rounds after it are replayed by `replay`, or skipped when
+        they cannot be, see there). The data needs no state: a round's slice is fixed by the layout."""
         st = self.state
         st.setdefault("opt_round", st["round_done"])
         if "opt_file" not in st:
             st["opt_round"] = st["round_done"]
-            return st["position"]
+            return
         f = self.state_dir / st["opt_file"]
         present = broadcast_json(f.is_file() if self.dist.main else None, self.dist, self.device)
         if not present:
             log.warning("the inner optimizer state of round %d (%s) is not on this host (outer.state_dir is host-"
-                        "local?): resuming with fresh AdamW moments%s at data position %d (no token is trained "
-                        "twice)", st["opt_round"], f, " and no error-feedback residual" if self.residual else "",
-                        st["position"])
+                        "local?): resuming with fresh AdamW moments%s after round %d (no token is trained twice)",
+                        st["opt_round"], f, " and no error-feedback residual" if self.residual else "",
+                        st["round_done"])
             self.trainer.step = int(st.get("step", 0))
             st["opt_round"] = st["round_done"]
-            return st["position"]
+            return
         self.load_optimizer(f, st.get("opt_extra", st))
         if self.dist.main and (self.residual is not None or self.overlap):
             saved = dict(iter_tensors(f))
@@ -173,14 +173,12 @@ class Worker:
                 self.residual.load(saved)
             prog = {k[len("progress::"):]: v for k, v in saved.items() if k.startswith("progress::")}
             self.progress = prog or None
-        log.info("resumed worker state: last round done %d, optimizer state of round %d, data position %d, inner "
-                 "step %d", st["round_done"], st["opt_round"], st.get("opt_position", st["position"]),
-                 self.trainer.step)
-        return st.get("opt_position", st["position"])
+        log.info("resumed worker state: last round done %d, optimizer state of round %d, inner step %d",
+                 st["round_done"], st["opt_round"], self.trainer.step)
 
     def replay(self) -> None:
         """Rounds we published after our last state snapshot (a kill while it was being written): retrain them from
-        the snapshot without publishing, so the moments, residual and data position are those of an uninterrupted
+        the snapshot without publishing, so the moments and residual are those of an uninterrupted
         run; the re-computed delta must equal the published one (checked by sha256)."""
         st = self.state
         todo = list(range(st["opt_round"] + 1, st["round_done"] + 1))
@@ -192,8 +190,7 @@ class Worker:
                             if self.dist.main else None, self.dist, self.device)
         if not ok:
             log.warning("rounds %s were trained but their state snapshot was lost and their global models are gone: "
-                        "going on from the older optimizer state at data position %d", todo, st["position"])
-            self.sampler.position = st["position"]
+                        "going on from the older optimizer state", todo)
             self.trainer.step = int(st.get("step", self.trainer.step))
             return
         for k in todo:
@@ -280,6 +277,14 @@ class Worker:
                 self.hb.beat(force=True, status="done", round=r)
                 broadcast_json(None, self.dist, self.device)
                 return
+            slot = self.find_slot(r)
+            if slot == "leave":
+                broadcast_json(None, self.dist, self.device)
+                return
+            if slot == "wait":
+                wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r or
+                         self.layout_changed(), 5.0, self.poll)
+                continue
             if self.overlap:
                 k = self.next_segment(r)
                 if k is not None:
@@ -297,6 +302,51 @@ class Worker:
                 continue
             broadcast_json(r, self.dist, self.device)
             self.train_round(r)
+
+    # -- membership: our slot in the data layout (train/exchange/layout.py, docs/elastic.md) -------------------------
+    def layout_changed(self) -> bool:
+        f = Layout.path(self.paths)
+        try:
+            return f.stat().st_mtime_ns != self._layout_seen
+        except OSError:
+            return False
+
+    def find_slot(self, latest: int) -> str:
+        """"train" when we have a slot in the next round we would train; "wait" while we ask to join (a new worker)
+        or wait for the round a new segment gives us; "leave" when the run no longer has a slot for us."""
+        f = Layout.path(self.paths)
+        self._layout_seen = f.stat().st_mtime_ns if f.is_file() else None
+        lay = Layout.load(self.paths)
+        if lay is None:
+            raise ProtocolError(f"{f} is missing: the coordinator writes it before round 0 (an older coordinator?)")
+        nxt = max(latest, self.state["round_done"] + 1)
+        if nxt >= self.cfg.outer.rounds or self.w < lay.slots(nxt):
+            if getattr(self, "_asked", False):
+                log.info("worker %d joined the run at round %d", self.w, nxt)
+                self._asked = False
+            return "train"
+        later = [s for s in lay.segments if s["from_round"] > nxt and s["slots"] > self.w]
+        if later:
+            first = later[0]["from_round"]
+            log.info("worker %d has a slot from round %d on (%s): waiting for it", self.w, first, later[0]["why"])
+            self.state["round_done"] = first - 1
+            self.progress = None
+            atomic_write_json(self.paths.worker_state(self.w), self.state)
+            return "train"
+        if "sidecar" in self.state:  # we trained in this run before, and it has no slot for us any more
+            why = f"the run has {lay.last['slots']} workers from round {lay.last['from_round']} ({lay.last['why']})"
+            log.info("worker %d leaves: %s", self.w, why)
+            self.join_snapshot()
+            self.hb.stop("left", reason=why)
+            return "leave"
+        slots = lay.last["slots"]
+        if not getattr(self, "_asked", False):
+            log.info("worker %d asks to join a run of %d workers: the coordinator admits it at the next round "
+                     "boundary%s", self.w, slots, "" if self.w == slots else
+                     f" once workers {slots}..{self.w - 1} have joined (ids are given out in order)")
+            self._asked = True
+        self.hb.beat(force=True, status="joining", round=latest)
+        return "wait"
 
     def next_segment(self, latest: int) -> int | None:
         """Delayed overlap: the round whose delta we train next, or None to wait for a commit. Segment k starts
@@ -361,6 +411,8 @@ class Worker:
             self.hb.beat(force=True, status="replaying" if replay else "training", round=r, step=0, steps=H)
         if cfg.inner.reset_state:  # the paper's "reset" variant: fresh inner moments every round (replays too)
             self.trainer.reset_optimizer_state()
+        data = self.data_slice(r)
+        self.sampler.begin(data["offset"], data["windows"])
         stats = self.trainer.train_steps(self.batches.next_batch, H, on_step)
         if self.dist.enabled:
             # FSDP2 shards are gathered (a collective: every rank takes part); DDP copies are already whole.
@@ -397,6 +449,7 @@ class Worker:
                                 processes=self.dist.world)
         sidecar["io"], self.io = self.io, {"read": 0, "written": 0}
         sidecar["position"] = self.sampler.position
+        sidecar["data"] = {**data, "read": self.sampler.position - data["offset"]}
         # Our resume point (small, synchronous): the round is done and what to publish; the moments and residual
         # follow in the background (snapshot_state), and a restart replays the rounds they missed.
         self.state.update(round_done=r, position=self.sampler.position, sidecar=sidecar,
@@ -405,6 +458,22 @@ class Worker:
         self.publish_pending(r)
         self.snapshot_state(r, opt_tensors)
 
+    def data_slice(self, r: int) -> dict:
+        """Our slice of round r's data: {segment, offset, windows} (rank 0 reads the layout; the group shares it)."""
+        out = None
+        if self.dist.main:
+            lay = Layout.load(self.paths)
+            if lay is None:
+                raise ProtocolError(f"{Layout.path(self.paths)} is missing (the coordinator writes it at round 0)")
+            offset, windows = lay.slice(r, self.w)
+            need = self.cfg.outer.local_steps * self.cfg.inner.total_batch_size
+            if need > windows:
+                raise ConfigError(f"worker {self.w} would read {need} windows in round {r} (outer.local_steps x "
+                                  f"inner.total_batch_size) but the run gives each worker {windows}: start it with "
+                                  f"the coordinator's values")
+            out = {"segment": lay.index(r), "offset": offset, "windows": windows}
+        return broadcast_json(out, self.dist, self.device)
+
     def publish_pending(self, r: int) -> None:
         """Move our saved delta of round r into rounds/r/deltas/ and write its sidecar (idempotent)."""
         paths = self.paths
@@ -412,11 +481,15 @@ class Worker:
         if paths.delta_meta(r, self.w).is_file() or not pending.is_file():
             return
         latest = paths.latest_committed()
-        if latest is not None and latest > r:
+        late = self.cfg.outer.late_weight > 0
+        if latest is not None and latest > r + late:
             log.warning("round %d was committed without us (we were too slow or restarted); dropping our delta "
                         "and rejoining at round %d", r, latest)
             pending.unlink(missing_ok=True)
             return
+        if latest is not None and latest > r:
+            log.info("round %d was committed without us: publishing our delta late, to be folded into round %d "
+                     "with weight %g (outer.late_weight)", r, latest, self.cfg.outer.late_weight)
         try:
             paths.deltas_dir(r).mkdir(parents=True, exist_ok=True)
             os.replace(pending, paths.delta_file(r, self.w))
