@@ -11,6 +11,8 @@ round --at:
   kill        SIGKILL worker 1: the supervisor restarts it (1 s backoff), it resumes from its saved state
   leave       SIGTERM worker 1: it leaves at its next inner step (exit 0, lease status "left"), no restart
   straggler   worker 1 runs at a third of its speed for the rest of the run (SIGSTOP 2/3 of every 60 ms)
+  join        one more worker process (`python -m train.diloco.worker --worker N`) is started: it asks to join and
+              trains from the next round boundary (the rounds after it use N + 1 deltas)
 For each: the affected round's duration (commit to commit) / the baseline's normal round, the deltas that round
 used, and the rounds after it. The issue's target for a death: <= dead_after_s + 1.5 x a normal round. A round
 closes without a worker only where the coordinator consults train/exchange/membership.py; without that it waits
@@ -130,7 +132,7 @@ def main() -> int:
     ap.add_argument("--dead-after", type=float, default=5.0, help="outer.dead_after_s")
     ap.add_argument("--timeout", type=float, default=30.0, help="outer.round_timeout_s")
     ap.add_argument("--slowdown", type=float, default=3.0, help="the straggler's slowdown")
-    ap.add_argument("--skip", nargs="*", default=[], choices=("kill", "leave", "straggler"))
+    ap.add_argument("--skip", nargs="*", default=[], choices=("kill", "leave", "straggler", "join"))
     ap.add_argument("--late", type=float, nargs="+", help="compare these outer.late_weight values (straggler only)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of the --late comparison")
     args = ap.parse_args()
@@ -152,11 +154,19 @@ def main() -> int:
         return late_comparison(args, straggle)
     results = {}
     with tempfile.TemporaryDirectory(prefix="edt-bench-elastic-") as tmp:
+        def join(pid):
+            run = Path(tmp) / "elastic-join"
+            log = open(run / "joiner.log", "w")
+            p = subprocess.Popen([sys.executable, "-m", "train.diloco.worker", "--config", str(run / "config.json"),
+                                  "--worker", str(args.workers), "--threads", "1"], stdout=log,
+                                 stderr=subprocess.STDOUT, cwd=REPO)
+            return lambda: (p.wait(120) if p.poll() is None else None, log.close())
+
         base = Path(tmp)
         print(f"{args.workers} workers, {args.rounds} rounds of H = {args.local_steps}; worker 1 is hit in round "
               f"{args.at + 1} (dead_after_s = {args.dead_after:g}, round_timeout_s = {args.timeout:g})", flush=True)
         results["baseline"] = scenario("baseline", base, args, None)
-        for name, fn in (("kill", kill), ("leave", leave), ("straggler", straggle)):
+        for name, fn in (("kill", kill), ("leave", leave), ("straggler", straggle), ("join", join)):
             if name not in args.skip:
                 results[name] = scenario(name, base, args, fn)
 
@@ -170,6 +180,12 @@ def main() -> int:
                      f"{statistics.median(after) / normal:.2f}x" if after else "-", res["restarts"]])
     print(table(rows, ["scenario", f"round {hit} (s)", "vs normal", "deltas used", "rounds after", "restarts"]))
     target = args.dead_after + 1.5 * normal
+    if "join" in results:
+        used = results["join"]["used"]
+        first = min((r for r in used if used[r] > args.workers), default=None)
+        print(f"join: the extra worker started in round {hit}; its delta counts from round {first} on"
+              if first else "join: the extra worker never contributed")
+        results["join"]["joined_round"] = first
     if "kill" in results:
         took = results["kill"]["durations"][hit]
         print(f"normal round {normal:.1f} s; target for the round of a death: <= dead_after_s + 1.5 x normal = "
