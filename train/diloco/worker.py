@@ -42,6 +42,7 @@ from train.core.dist import (
 )
 from train.core.inner import InnerTrainer
 
+from train.core.background import OneSlot
 from train.core.heartbeat import Heartbeat
 from train.exchange.codec import Residual
 from train.exchange.layout import Layout
@@ -127,9 +128,13 @@ class Worker:
         self.theta = GlobalTheta(self.paths, self.back_codec) if main else None
         self.overlap = cfg.outer.overlap == "delayed"
         self.progress: dict[str, torch.Tensor] | None = None  # delayed overlap: our progress over the last segment
-        self._snapshot: threading.Thread | None = None
-        self._snapshot_error: BaseException | None = None
+        self.snap = OneSlot("state-snapshot")    # the state snapshot, written in the background
+        self.pub = OneSlot("publish")            # delayed overlap: a round's whole publication, in the background
+        self.prefetch = OneSlot("prefetch-theta")  # delayed overlap: the next global model, read ahead
+        self._prefetch_round: int | None = None
+        self.trained = -1  # the last round this process trained (its publication may still be in flight)
         self.io = {"read": 0, "written": 0}  # BASE_DIR bytes of the current round (into the next sidecar)
+        self._io_lock = threading.Lock()
         self.restore_state()
         self.sampler = StreamSampler(self.data, cfg.seed)
         self.batches = RankBatches(self.sampler, self.dist, cfg.inner.total_batch_size) if self.dist.enabled \
@@ -197,9 +202,11 @@ class Worker:
             log.info("replaying round %d (its state snapshot was not written before the restart)", k)
             self.train_round(k, replay=True)
 
-    def snapshot_state(self, r: int, opt_tensors: dict | None) -> None:
-        """Write the optimizer moments (+ residual) of round r to state_dir in the background, then point state.json
-        at them. The next round joins it before training (the tensors must not change while being written)."""
+    def snapshot_state(self, r: int, opt_tensors: dict | None, now: bool = False):
+        """Write the optimizer moments (+ residual, + progress) of round r to state_dir in the background, then point
+        state.json at them. The next round joins it before training (the tensors must not change while being
+        written). The tensors are taken here; `now`: return the write as a function instead (the caller runs it on
+        its own background thread, after the write_delta that updates the residual)."""
         paths, w = self.paths, self.w
         self.join_snapshot()
         if opt_tensors is None:
@@ -207,8 +214,6 @@ class Worker:
         tensors = dict(opt_tensors)
         if self.overlap:  # training goes on while this is written: copy what the next steps change in place
             tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
-        if self.residual is not None:
-            tensors.update(self.residual.tensors())
         if self.progress is not None:
             tensors.update({f"progress::{k}": v for k, v in self.progress.items()})
         extra = self.trainer.extra_state()
@@ -216,29 +221,34 @@ class Worker:
         opt_file = f"opt-r{r:06d}.safetensors"
         on_base = not self.cfg.outer.state_dir
 
-        def job() -> None:
-            try:
-                save_streaming(self.state_dir / opt_file, tensors)
-                self.state.update(opt_file=opt_file, opt_round=r, opt_position=position, opt_extra=extra)
-                atomic_write_json(paths.worker_state(w), self.state)
-                for old in self.state_dir.glob("opt-r*.safetensors"):
-                    if old.name != opt_file:
-                        old.unlink(missing_ok=True)
-                if on_base:
-                    self.io["written"] += (self.state_dir / opt_file).stat().st_size
-            except BaseException as e:  # surfaced by the next join
-                self._snapshot_error = e
+        def write() -> None:
+            if self.residual is not None:  # only write_delta changes it, and never while this runs
+                tensors.update(self.residual.tensors())
+            save_streaming(self.state_dir / opt_file, tensors)
+            self.state.update(opt_file=opt_file, opt_round=r, opt_position=position, opt_extra=extra)
+            atomic_write_json(paths.worker_state(w), self.state)
+            for old in self.state_dir.glob("opt-r*.safetensors"):
+                if old.name != opt_file:
+                    old.unlink(missing_ok=True)
+            if on_base:
+                self.count_io("written", (self.state_dir / opt_file).stat().st_size)
 
-        self._snapshot = threading.Thread(target=job, name="state-snapshot", daemon=True)
-        self._snapshot.start()
+        if now:
+            return write
+        self.snap.submit(write)
+        return None
 
     def join_snapshot(self) -> None:
-        if self._snapshot is not None:
-            self._snapshot.join()
-            self._snapshot = None
-        if self._snapshot_error is not None:
-            e, self._snapshot_error = self._snapshot_error, None
-            raise e
+        self.snap.join()
+
+    def count_io(self, kind: str, nbytes: int) -> None:
+        with self._io_lock:
+            self.io[kind] += nbytes
+
+    def take_io(self) -> dict:
+        with self._io_lock:
+            io, self.io = self.io, {"read": 0, "written": 0}
+        return io
 
     def load_optimizer(self, opt_file: Path, extra: dict) -> None:
         """Rank 0 reads the saved AdamW state; in a group every rank gets it by broadcast."""
@@ -272,6 +282,8 @@ class Worker:
         while True:
             r = self.paths.latest_committed()
             if r >= rounds:
+                self.pub.join()
+                self.prefetch.cancel()
                 self.join_snapshot()
                 log.info("round %d committed: the run is complete", r)
                 self.hb.beat(force=True, status="done", round=r)
@@ -291,6 +303,7 @@ class Worker:
                     broadcast_json(k, self.dist, self.device)
                     self.train_round(k)
                     continue
+                self.pub.join()  # our last round is published before we wait for the outer step
                 self.publish_pending(self.state["round_done"])
                 self.hb.beat(force=True, status="waiting for the outer step", round=r)
                 wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r, None, self.poll)
@@ -319,7 +332,7 @@ class Worker:
         lay = Layout.load(self.paths)
         if lay is None:
             raise ProtocolError(f"{f} is missing: the coordinator writes it before round 0 (an older coordinator?)")
-        nxt = max(latest, self.state["round_done"] + 1)
+        nxt = max(latest, self.state["round_done"] + 1, self.trained + 1)
         if nxt >= self.cfg.outer.rounds or self.w < lay.slots(nxt):
             if getattr(self, "_asked", False):
                 log.info("worker %d joined the run at round %d", self.w, nxt)
@@ -328,6 +341,7 @@ class Worker:
         later = [s for s in lay.segments if s["from_round"] > nxt and s["slots"] > self.w]
         if later:
             first = later[0]["from_round"]
+            self.pub.join()
             log.info("worker %d has a slot from round %d on (%s): waiting for it", self.w, first, later[0]["why"])
             self.state["round_done"] = first - 1
             self.progress = None
@@ -354,7 +368,7 @@ class Worker:
         of the synchronous protocol). A worker whose rounds went on without it (restarted late) rejoins at the
         latest round from θ_latest; so does one that lost its progress (its snapshot was on another host)."""
         rounds = self.cfg.outer.rounds
-        k = self.state["round_done"] + 1
+        k = max(self.state["round_done"], self.trained) + 1
         if k >= rounds:
             return None
         if latest > k or (self.progress is None and k > 0):
@@ -370,8 +384,9 @@ class Worker:
         logged updates — and the other ranks get it by broadcast); returns rank 0's float32 CPU copy of θ_r."""
         theta: dict[str, torch.Tensor] = {}
         if self.dist.main:
+            self.finish_prefetch(r)
             self.theta.advance_to(r)
-            self.io["read"] += self.theta.take_bytes()
+            self.count_io("read", self.theta.take_bytes())
             theta = self.theta.tensors
             if set(theta) != set(self.trainer.params):
                 raise ProtocolError(f"round {r}: tensors {sorted(set(theta) ^ set(self.trainer.params))[:5]} of the "
@@ -402,6 +417,8 @@ class Worker:
         else:
             theta_r = self.load_global(r)
         t_load = time.perf_counter() - t0
+        if self.overlap and not replay:
+            self.start_prefetch(r)  # θ_r, where the next segment starts, read while this one trains
 
         def on_step(i: int, loss) -> None:
             if main:
@@ -425,6 +442,21 @@ class Worker:
         log.info("round %d: %d steps, loss %.4f (last %.4f), %.0f tok/s%s", r, H, stats["loss"], stats["last_loss"],
                  stats["tokens"] / max(stats["seconds"], 1e-9), " (replay)" if replay else "")
 
+        meta = {"inner_steps": H, "tokens": stats["tokens"], "loss": stats["loss"], "last_loss": stats["last_loss"],
+                "train_seconds": stats["seconds"], "load_seconds": t_load, "processes": self.dist.world}
+        if self.overlap and not replay:
+            # Delayed overlap: the next segment starts now. What it changes in place is copied to host memory here
+            # (the parameters, and the moments in snapshot_state); encoding, writing and publishing the delta and
+            # the snapshot run on the publisher thread, one round at a time (train/core/background.py).
+            host = {n: params[n].detach().to("cpu", torch.float32, copy=True) for n in self.theta.names}
+            self.progress = {n: host[n] - theta_r[n] for n in self.theta.names}
+            write_snapshot = self.snapshot_state(r, opt_tensors, now=True)
+            position = self.sampler.position
+            extra = self.trainer.extra_state()
+            self.trained = r
+            self.pub.submit(lambda: self.publish_round(r, theta_r, host, meta, data, position, extra, write_snapshot))
+            return
+        self.trained = r
         # Δ = θ_r − θ_w, in the order of the global file so the reducer reads every file sequentially.
         pending = paths.worker_pending_delta(self.w, r)
         if replay:
@@ -440,23 +472,56 @@ class Worker:
                             "kernels?); the state goes on from the replay", r)
             self.snapshot_state(r, opt_tensors)
             return
+        self.finish_round(r, file, meta, data, self.sampler.position, self.trainer.extra_state())
+        self.snapshot_state(r, opt_tensors)
+
+    def finish_round(self, r: int, file: dict, meta: dict, data: dict, position: int, extra: dict) -> None:
+        """The delta of round r is in our pending file: write our resume point (small, synchronous: the round is
+        done and what to publish; the moments and residual follow in the snapshot, and a restart replays the rounds
+        they missed), then publish."""
         if not file["finite"]:
             log.error("round %d: the delta has non-finite values (diverged?); publishing it anyway so the reducer "
                       "rejects it visibly", r)
-        self.io["written"] += file["bytes"]
-        sidecar = delta_sidecar(r, self.w, file, inner_steps=H, tokens=stats["tokens"], loss=stats["loss"],
-                                last_loss=stats["last_loss"], train_seconds=stats["seconds"], load_seconds=t_load,
-                                processes=self.dist.world)
-        sidecar["io"], self.io = self.io, {"read": 0, "written": 0}
-        sidecar["position"] = self.sampler.position
-        sidecar["data"] = {**data, "read": self.sampler.position - data["offset"]}
-        # Our resume point (small, synchronous): the round is done and what to publish; the moments and residual
-        # follow in the background (snapshot_state), and a restart replays the rounds they missed.
-        self.state.update(round_done=r, position=self.sampler.position, sidecar=sidecar,
-                          **self.trainer.extra_state())
-        atomic_write_json(paths.worker_state(self.w), self.state)
+        self.count_io("written", file["bytes"])
+        sidecar = delta_sidecar(r, self.w, file, **meta)
+        sidecar["io"] = self.take_io()
+        sidecar["position"] = position
+        sidecar["data"] = {**data, "read": position - data["offset"]}
+        self.state.update(round_done=r, position=position, sidecar=sidecar, **extra)
+        atomic_write_json(self.paths.worker_state(self.w), self.state)
         self.publish_pending(r)
-        self.snapshot_state(r, opt_tensors)
+
+    def publish_round(self, r: int, theta_r: dict, host: dict, meta: dict, data: dict, position: int, extra: dict,
+                      write_snapshot) -> None:
+        """Delayed overlap, on the publisher thread: encode and write Δ_r from the host copy, publish it, then
+        write the state snapshot of round r (the same files, in the same order, as the synchronous path)."""
+        pending = self.paths.worker_pending_delta(self.w, r)
+        file = write_delta(pending, self.theta.names, theta_r, host, self.delta_codec, r, self.w, self.residual)
+        self.finish_round(r, file, meta, data, position, extra)
+        write_snapshot()
+
+    # -- delayed overlap: the next global model, read ahead -----------------------------------------------------------
+    def start_prefetch(self, r: int) -> None:
+        """Bring our copy of θ to round r as soon as it is committed, on the prefetch thread."""
+        self.prefetch.cancel()
+        stop = self.prefetch.stop
+
+        def job() -> None:
+            while not self.paths.committed(r).is_file():
+                if stop.wait(self.poll):
+                    return
+            self.theta.advance_to(r)
+
+        self._prefetch_round = r
+        self.prefetch.submit(job)
+
+    def finish_prefetch(self, r: int) -> None:
+        """Before our copy of θ is used: wait for a prefetch of round r (its error is raised), cancel any other."""
+        if self._prefetch_round == r and self.paths.committed(r).is_file():
+            self.prefetch.join()
+        else:
+            self.prefetch.cancel()
+        self._prefetch_round = None
 
     def data_slice(self, r: int) -> dict:
         """Our slice of round r's data: {segment, offset, windows} (rank 0 reads the layout; the group shares it)."""
