@@ -3,9 +3,10 @@ step, what `python -m train.diloco.worker` does (train/diloco/worker.py, train/c
 
     python tests/diloco_opt_worker.py EVOLUTION_JSON WORKER BASE_DIR [--threads N]
 
-Same θ_0 (build_model with the run's seed), the same shard batches (ShardSampler on the coordinator run's token
-cache), AdamW with the same hyperparameters, warmup + cosine as a LambdaLR, gradient clipping, fp32, `--threads`
-torch threads (default 1; the test passes the simulator's workers' value, through helpers_proc.with_threads).
+Same θ_0 (build_model with the run's seed), the same batches (each round's slice of the data stream, as the
+coordinator's layout gives it: train/exchange/layout.py), AdamW with the same hyperparameters, warmup + cosine
+as a LambdaLR, gradient clipping, fp32, `--threads` torch threads (default 1; the test passes the simulator's
+workers' value, through helpers_proc.with_threads).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from train.core.config import load_config  # noqa: E402
-from train.core.data import ShardSampler, TokenData, find_data  # noqa: E402
+from train.core.data import StreamSampler, TokenData, find_data  # noqa: E402
+from train.exchange.layout import Layout  # noqa: E402
 from train.diloco.optimizer import DiLoCoOptimizer  # noqa: E402
 from train.core.inner import lm_loss, lr_at  # noqa: E402
 from train.core.model import build_model, quiet_transformers  # noqa: E402
@@ -35,7 +37,8 @@ def main(config: str, worker: int, base_dir: str, threads: int = 1) -> None:
     torch.manual_seed(cfg.seed * 1000 + worker)
     model.train()
     data = TokenData.open(find_data(cfg), cfg.data.seq_length, cfg.data.eval_fraction)
-    sampler = ShardSampler(data, worker, oc.num_workers, cfg.seed)
+    sampler = StreamSampler(data, cfg.seed)
+    layout = Layout.single(oc.num_workers, oc.local_steps * ic.total_batch_size)
     total = cfg.total_inner_steps
     opt = DiLoCoOptimizer(
         model, base_dir=base_dir, run_id=cfg.project_name, worker=worker, num_workers=oc.num_workers,
@@ -48,6 +51,8 @@ def main(config: str, worker: int, base_dir: str, threads: int = 1) -> None:
         averaging_timeout=120, poll_interval=0.05, keep_rounds=oc.keep_rounds)
     scaler = torch.amp.GradScaler("cpu", enabled=False)  # the fp16 path's calls; a no-op in fp32, as in the worker
     for step in range(total):
+        if step % oc.local_steps == 0:
+            sampler.begin(*layout.slice(step // oc.local_steps, worker))
         batch = sampler.next_batch(ic.per_device_batch_size)
         loss = lm_loss(model, batch)
         scaler.scale(loss).backward()

@@ -74,11 +74,15 @@ def test_int8_run_keeps_one_theta_checkpoints_load_and_host_local_state(tmp_path
     assert 2 * values * 1.125 < r3["bytes_deltas"] < 2 * values * 1.125 * 1.15
 
 
-def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     """Coordinator replay (momentum, residual from the deltas since the checkpoint) and worker replay (rounds whose
-    state snapshot was lost) give the uninterrupted run's model, bit for bit."""
+    state snapshot was lost) give the uninterrupted run's model, bit for bit; with delayed overlap too, where the
+    delta, the state and the snapshot are written by the publisher thread while the next segment trains and θ is
+    read ahead by the prefetch thread (train/core/background.py)."""
     # rounds wait for every worker (no straggler deadline): who is in a round must not depend on timing here
-    fixed = {"momentum": 0.9, "lr": 0.7, "straggler_factor": 0.0, "dead_after_s": 600.0, "rounds": 4}
+    fixed = {"momentum": 0.9, "lr": 0.7, "straggler_factor": 0.0, "dead_after_s": 600.0, "rounds": 4,
+             "overlap": overlap, "local_steps": 8 if overlap == "delayed" else 4}
     ref_cfg, ref = _write(tmp_path, "ref", **fixed)
     out = run_script("diloco_sim.py", "--config", str(ref_cfg), timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -115,6 +119,8 @@ def _publish(co, w, seed, corrupt=None):
     f = paths.delta_file(0, w)
     file = write_delta(f, co.names, theta, params, codec, 0, w)
     side = delta_sidecar(0, w, file, inner_steps=5, tokens=1000, loss=3.0)
+    off, n = co.layout.slice(0, w)  # the slice of the data layout this delta says it was trained on
+    side["data"] = {"segment": 0, "offset": off, "windows": n, "read": n}
     if corrupt == "nan_scale":
         from safetensors.torch import load_file, save_file
         t = load_file(str(f))

@@ -156,7 +156,7 @@ def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes
     AutoModelForCausalLM.from_pretrained(str(paths.final))
     recs = [r for r in read_jsonl(paths.metrics) if r.get("round", 0) > 0]
     assert [r["round"] for r in recs] == list(range(1, R + 1))  # each round committed once
-    used = sum(len(r["workers_used"]) for r in recs)  # 9 today; fewer once a death closes a round without it
+    used = sum(len(r["workers_used"]) + len(r.get("late") or {}) for r in recs)  # a late delta folded in counts
     assert recs[-1]["tokens"] == used * H * 8 * 32
 
 
@@ -290,3 +290,108 @@ def test_round_closes_without_a_frozen_worker_within_dead_after_s(tmp_path):
     rec = next(r for r in read_jsonl(paths.metrics) if r.get("round") == stopped_at + 1)
     assert 2 in rec["missing"] and sorted(rec["workers_used"]) == [0, 1]
     assert paths.latest_committed() == R
+
+
+# -- join and leave: the data layout ---------------------------------------------------------------------------------
+def _stream_windows(paths: RunPaths) -> list[int]:
+    """Every stream window a committed delta was trained on (metrics: the slice each used delta read)."""
+    out = []
+    for rec in read_jsonl(paths.metrics):
+        for off, n in rec.get("data", {}).values():
+            out += range(off, off + n)
+    return out
+
+
+@pytest.mark.slow
+def test_resume_with_more_then_fewer_workers_reads_no_window_twice(tmp_path):
+    """2 workers for 2 rounds, then the same run resumed with 3 workers, then with 1: the data layout re-splits the
+    stream at the first round nobody started, every used delta's slice is disjoint from every other and the tokens
+    add up."""
+    cfg = _config(tmp_path, outer={"rounds": 2})
+    paths = RunPaths(tmp_path / "runs" / "t")
+    for n, rounds in ((2, 2), (3, 4), (1, 6)):
+        out = subprocess.run(script_cmd("diloco_sim.py", "--config", cfg, "--workers", str(n), "--rounds",
+                                        str(rounds)), capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+    lay = read_json(paths.data / "layout.json")
+    assert [s["slots"] for s in lay["segments"]] == [2, 3, 1] and lay["config_workers"] == 1
+    assert "outer.num_workers 2 -> 3" in lay["segments"][1]["why"]
+    recs = [r for r in read_jsonl(paths.metrics) if r.get("round", 0) > 0]
+    assert [r["round"] for r in recs] == list(range(1, 7))
+    s1, s2 = (s["from_round"] for s in lay["segments"][1:])
+    for r in recs:  # a round uses the workers of its segment; a shrink's last old rounds await only the kept ones
+        r0 = r["round"] - 1
+        assert r["workers_used"] == ([0, 1] if r0 < s1 else [0, 1, 2] if r0 < 4 else [0]), (r0, lay)
+        assert r0 < s2 or set(r["missing"]) == set() or r["missing"] == [1, 2]
+    got = _stream_windows(paths)
+    assert len(got) == len(set(got)), "a window was trained twice"
+    assert recs[-1]["tokens"] == len(got) * 32
+    assert len(got) == sum(len(r["workers_used"]) for r in recs) * 5 * 8
+
+
+@pytest.mark.slow
+def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path):
+    """A 2-worker run; a third worker process started by hand after round 1 asks to join (lease status "joining"),
+    the coordinator gives it a slot at the next round boundary, and from then on every round uses its delta."""
+    cfg = _config(tmp_path, outer={"rounds": 14, "local_steps": 40})
+    paths = RunPaths(tmp_path / "runs" / "t")
+    sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    joiner = None
+    try:
+        wait_until(lambda: paths.committed(1).is_file(), 300, "round 1 committed", sim)
+        joiner = start_script(["-m", "train.diloco.worker", "--config", cfg, "--worker", "2"],
+                              tmp_path / "joiner.log")
+        wait_until(lambda: _progress(paths, 2).get("status") == "joining", 120, "the joiner asking", joiner)
+        asked_at = paths.latest_committed()
+        out, _ = sim.communicate(timeout=600)
+        assert joiner.wait(timeout=120) == 0, (tmp_path / "joiner.log").read_text()[-3000:]
+    finally:
+        kill_all([p for p in (sim, joiner) if p is not None])
+    assert sim.returncode == 0, out[-3000:]
+    lay = read_json(paths.data / "layout.json")
+    seg = lay["segments"][-1]
+    assert seg["slots"] == 3 and "join: worker(s) [2]" in seg["why"]
+    assert seg["from_round"] <= asked_at + 3  # admitted at a round boundary soon after it asked
+    recs = {r["round"] - 1: r for r in read_jsonl(paths.metrics) if r.get("round", 0) > 0}
+    assert all(recs[r]["workers_used"] == [0, 1] for r in recs if r < seg["from_round"])
+    assert all(recs[r]["workers_used"] == [0, 1, 2] for r in recs if r >= seg["from_round"])
+    assert seg["from_round"] < 14, "the join came too late to train a round"
+    got = _stream_windows(paths)
+    assert len(got) == len(set(got))
+    log2 = (tmp_path / "joiner.log").read_text()
+    assert "asks to join a run of 2 workers" in log2 and f"joined the run at round {seg['from_round']}" in log2
+
+
+@pytest.mark.slow
+def test_a_late_delta_is_folded_into_the_next_round_with_its_staleness_weight(tmp_path):
+    """outer.late_weight = 0.5 with int8: worker 1 is frozen (SIGSTOP) in round 1 until the round closes without it
+    (dead_after_s), then thawed: it publishes its round-1 delta late and round 2 folds it in at half weight; the
+    record says so, its tokens count and its slice is still read once."""
+    cfg = _config(tmp_path, outer={"rounds": 4, "local_steps": 60, "late_weight": 0.5, "dead_after_s": 3,
+                                   "compression": "int8", "straggler_factor": 0})
+    paths = RunPaths(tmp_path / "runs" / "t")
+    sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        wait_until(lambda: _progress(paths, 1).get("round") == 1 and _progress(paths, 1).get("status") == "training"
+                   and _progress(paths, 1).get("step", 0) >= 2, 300, "worker 1 training round 1", sim)
+        pid = _progress(paths, 1)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: paths.committed(2).is_file(), 120, "round 1 closed without worker 1", sim)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        out, _ = sim.communicate(timeout=400)
+    finally:
+        if sim.poll() is None:
+            sim.kill()
+    assert sim.returncode == 0, out[-3000:]
+    recs = {r["round"]: r for r in read_jsonl(paths.metrics) if r.get("round", 0) > 0}
+    assert recs[2]["workers_used"] == [0] and "dead" in recs[2]["missing_why"]["w001"]
+    assert recs[3]["late"] == {"w001": {"round": 1, "weight": 0.5, "tokens": 60 * 8 * 32}}
+    assert recs[3]["tokens"] - recs[2]["tokens"] == 3 * 60 * 8 * 32  # two deltas of round 2 + the late one
+    assert read_json(paths.committed(3))["late"]["w001"]["round"] == 1
+    got = _stream_windows(paths)
+    assert len(got) == len(set(got))
+    assert "publishing our delta late" in paths.worker_log(1).read_text()

@@ -85,9 +85,11 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
     for w in (0, 1):
         d = {k: torch.full_like(v, 0.01 * (w + 1)) for k, v in theta.items()}
         sha = save_streaming(paths.delta_file(0, w), d)
+        off, n = co.layout.slice(0, w)  # the data slice the delta says it was trained on
         atomic_write_json(paths.delta_meta(0, w), {"protocol": PROTOCOL_VERSION, "round": 0, "worker": w,
                                                    "inner_steps": 5, "tokens": 100, "loss": 1.0, "sha256": sha,
-                                                   "bytes": paths.delta_file(0, w).stat().st_size})
+                                                   "bytes": paths.delta_file(0, w).stat().st_size,
+                                                   "data": {"segment": 0, "offset": off, "windows": n, "read": n}})
     real = master_mod.outer_step_tensor
     calls = {"n": 0}
 

@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_config
 from train.core.config import build_config
 from train.diloco.coordinator import Coordinator
+from train.exchange.layout import Layout
 from train.core.outer import diloco_round
 from train.core.store import PROTOCOL_VERSION, RunPaths, atomic_write_json, read_json
 from train.core.tensorio import load_tensors, save_streaming
@@ -17,8 +18,10 @@ from train.core.tensorio import load_tensors, save_streaming
 def _publish(paths: RunPaths, r: int, w: int, tensors: dict, **meta_over):
     f = paths.delta_file(r, w)
     sha = save_streaming(f, tensors)
+    off, n = Layout.load(paths).slice(r, w)  # the slice of the data layout this delta says it was trained on
     meta = {"protocol": PROTOCOL_VERSION, "round": r, "worker": w, "inner_steps": 5, "tokens": 1000, "loss": 3.0,
-            "sha256": sha, "bytes": f.stat().st_size, "dtype": "float32"}
+            "sha256": sha, "bytes": f.stat().st_size, "dtype": "float32",
+            "data": {"segment": 0, "offset": off, "windows": n, "read": n}}
     meta.update(meta_over)
     atomic_write_json(paths.delta_meta(r, w), meta)
 

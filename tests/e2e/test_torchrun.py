@@ -117,7 +117,7 @@ def test_two_process_gloo_worker_commits_the_same_model_as_one_process(tmp_path)
     fsdp = _run(tmp_path, "fsdp", rounds=2, nproc_per_node=2, parallel="fsdp")
     assert "2 processes (ddp)" in ddp.worker_log(0).read_text()
     assert "2 processes (fsdp)" in fsdp.worker_log(0).read_text()
-    resumed = "resumed worker state: last round done 0, optimizer state of round 0, data position 24, inner step 3"
+    resumed = "resumed worker state: last round done 0, optimizer state of round 0, inner step 3"
     assert resumed in fsdp.worker_log(0).read_text()
     ref = load_tensors(one.global_dir(2) / "model.safetensors")
     theta0 = load_tensors(one.global_dir(0) / "model.safetensors")

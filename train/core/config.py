@@ -242,6 +242,9 @@ class OuterConfig:
                                        "constant (`lr` every round) or warmup (linear from lr / W to lr over the "
                                        "first W = `lr_warmup_rounds` rounds, then `lr`).")
     lr_warmup_rounds: int = doc(0, "W: rounds of outer-lr warmup when lr_schedule = warmup.")
+    late_weight: float = doc(0.5, "A delta of round r that arrives after round r closed (a straggler past its "
+                                  "deadline): 0 = dropped; w > 0 = folded into round r + 1 with w x its tokens as "
+                                  "its weight (a staleness weight; 0.5 was best in bench/elastic.py --late).")
 
     def validate(self, p: str) -> None:
         _check_range(self, p, "num_workers", 1)
@@ -259,6 +262,7 @@ class OuterConfig:
         _check_range(self, p, "dead_after_s", 2.0)  # > 1 s: at least two lease periods (train/core/heartbeat.py)
         _check_range(self, p, "startup_grace_s", 0.0)
         _check_range(self, p, "straggler_factor", 0.0)
+        _check_range(self, p, "late_weight", 0.0, 1.0)
         _check_range(self, p, "max_restarts", 0)
         _check_range(self, p, "poll_interval_s", 0.0, lo_open=True)
         _check_range(self, p, "keep_rounds", 1)

@@ -222,6 +222,43 @@ class ShardSampler:
         return torch.from_numpy(np.stack(rows))
 
 
+class StreamSampler:
+    """Windows of one global stream: epoch e is a seeded permutation of every training window, and stream offset g
+    is window perm_{g // n}[g % n]. DiLoCo hands each (round, worker) a disjoint slice of the stream
+    (train/exchange/layout.py), so a window is read once per epoch whatever the number of workers, and the data a
+    worker reads in a round depends on the round alone (a restart or a replay reads the same windows).
+
+    `begin(offset, count)` points it at a slice; `next_batch` reads from it and refuses to read past its end."""
+
+    def __init__(self, data: TokenData, seed: int):
+        if data.n_train_windows < 1:
+            raise DataError(f"the dataset holds no training window of {data.seq_length + 1} tokens: use more data "
+                            f"or a smaller data.seq_length")
+        self.data, self.seed = data, seed
+        self.position = 0  # the next stream offset
+        self.end = 0
+        self._epoch, self._perm = -1, None
+
+    def begin(self, offset: int, count: int) -> None:
+        self.position, self.end = offset, offset + count
+
+    def window_index(self, g: int) -> int:
+        epoch, i = divmod(g, self.data.n_train_windows)
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, 0x5EED, epoch])
+            self._perm, self._epoch = rng.permutation(self.data.n_train_windows), epoch
+        return int(self._perm[i])
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        if self.position + batch_size > self.end:
+            raise DataError(f"stream slice exhausted: {batch_size} windows asked at offset {self.position}, the "
+                            f"slice ends at {self.end} (a worker may not read another worker's data)")
+        rows = [self.data.window(self.window_index(g) * self.data.seq_length)
+                for g in range(self.position, self.position + batch_size)]
+        self.position += batch_size
+        return torch.from_numpy(np.stack(rows))
+
+
 def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int, progress: bool = True) -> Path:
     """Build the token cache if missing (coordinator); returns its folder."""
     key = cache_key(cfg, tokenizer_fingerprint(tokenizer) if tokenizer is not None else "none", vocab_size)

@@ -24,8 +24,9 @@ from train.core.logs import make_metric_logger
 from train.core.model import (build_model, check_model_fits, load_tokenizer, load_weights_into, pick_device,
                               save_model_dir)
 from train.exchange.accumulate import Accumulator
+from train.exchange.layout import Layout
 from train.exchange.master import OuterMaster
-from train.exchange.membership import Membership
+from train.exchange.membership import Membership, workers_alive
 from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
 from train.exchange.reduce import arrived, prune_rounds
 from train.core.store import (
@@ -47,10 +48,11 @@ log = logging.getLogger("coordinator")
 
 
 def run_identity(cfg: RunConfig) -> dict:
-    """What may not change when a run is resumed (rounds, timeouts, lrs may)."""
+    """What may not change when a run is resumed (rounds, timeouts, lrs may; so may the number of workers: the data
+    layout re-splits the stream, train/exchange/layout.py)."""
     return {"model": cfg.model.name, "tokenizer": cfg.model.tokenizer, "dataset": cfg.data.dataset,
-            "fake_data": cfg.data.fake_data, "seq_length": cfg.data.seq_length, "num_workers": cfg.outer.num_workers,
-            "seed": cfg.seed, "delta_dtype": cfg.outer.delta_dtype,
+            "fake_data": cfg.data.fake_data, "seq_length": cfg.data.seq_length, "seed": cfg.seed,
+            "delta_dtype": cfg.outer.delta_dtype,
             **({"compression": cfg.outer.compression, "block_size": cfg.outer.block_size}
                if cfg.outer.compression != "none" else {})}
 
@@ -76,8 +78,8 @@ class Coordinator:
         data_dir = prepare_data(cfg, self.tokenizer, vocab, progress=self.progress)
         atomic_write_json(paths.data / "current.json", {"key": data_dir.name})
         self.data = TokenData.open(data_dir, cfg.data.seq_length, cfg.data.eval_fraction)
-        for w in range(cfg.outer.num_workers):
-            self.data.shard(w, cfg.outer.num_workers)  # fail now, clearly, if the data is too small
+        self.check_data_size()
+        self.layout = self.plan_layout()  # before round 0's commit: workers read it when they start
         self.eval_windows = torch.from_numpy(self.data.eval_windows(cfg.eval.batches * cfg.eval.batch_size))
         self.device = pick_device(cfg.inner.device)
         self.model = model.to(self.device)
@@ -93,14 +95,109 @@ class Coordinator:
             log.info("round 0: eval loss of the initial model %.4f", eval0)
         else:
             self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
-        self.membership = Membership(paths, cfg.outer.num_workers, cfg.outer)
+        self.membership = Membership(paths, self.expected(paths.latest_committed())[1], cfg.outer)
+        self.membership.join_from = self.layout.last["slots"]
         self.master = OuterMaster(paths, cfg.outer, cfg.outer.rounds)
         self.master.resume(paths.latest_committed())
         self.names = self.master.names
 
+    # -- the data layout (train/exchange/layout.py) ------------------------------------------------------------------
+    @property
+    def round_windows(self) -> int:
+        """Stream windows one worker reads per round."""
+        return self.cfg.outer.local_steps * self.cfg.inner.total_batch_size
+
+    def check_data_size(self) -> None:
+        oc, n = self.cfg.outer, self.data.n_train_windows
+        if n < 1:
+            from train.core.errors import DataError
+            raise DataError(f"the dataset holds no training window of {self.cfg.data.seq_length + 1} tokens: use "
+                            f"more data or a smaller data.seq_length")
+        if n < oc.num_workers * self.round_windows:
+            log.warning("the dataset has %d training windows, fewer than one round reads (%d workers x %d steps x "
+                        "%d windows): every round is more than an epoch", n, oc.num_workers, oc.local_steps,
+                        self.cfg.inner.total_batch_size)
+
+    def plan_layout(self) -> Layout:
+        """The data layout, resized when this start changes the number of workers or the windows per round (a new
+        segment from the first round no worker can have started: nothing already read is handed out again)."""
+        paths, oc = self.paths, self.cfg.outer
+        latest = paths.latest_committed() or 0
+        lay = Layout.load(paths)
+        N, W = oc.num_workers, self.round_windows
+        if lay is None:
+            lay = Layout.single(N, W)
+            if latest > 0:  # a run from before data layouts: its first segment starts here
+                lay.resize(latest, N, W, f"resume at round {latest} (run started before data layouts)")
+            lay.save(paths)
+            return lay
+        if N == lay.config_workers and W == lay.last["windows"]:
+            return lay
+        start = self.first_free_round(lay, latest)
+        why = (f"resume: outer.num_workers {lay.config_workers} -> {N}" if N != lay.config_workers else
+               f"resume: {W} windows per worker and round (was {lay.last['windows']})")
+        seg = lay.resize(start, N, W, why)
+        lay.config_workers = N
+        lay.save(paths)
+        log.info("data layout: %s from round %d (stream offset %d; rounds before it keep their slices)", why, start,
+                 seg["offset"])
+        return lay
+
+    def first_free_round(self, lay: Layout, latest: int) -> int:
+        """The first round no worker may have started under the current layout: after every published delta and
+        worker state, and one round later still while workers are running (they may be training it now)."""
+        paths, oc = self.paths, self.cfg.outer
+        slots = max(s["slots"] for s in lay.segments)
+        done = latest - 1
+        for w in range(slots):
+            f = paths.worker_state(w)
+            if f.is_file():
+                try:
+                    done = max(done, int(read_json(f).get("round_done", -1)))
+                except (OSError, ValueError, TypeError):
+                    pass
+        r = latest
+        while arrived(paths, r, slots):  # published deltas of rounds not yet committed
+            done, r = max(done, r), r + 1
+        start = max(latest, done + 1, lay.last["from_round"])
+        if workers_alive(paths, slots, oc):
+            start += 1 + (oc.overlap == "delayed")
+            log.info("workers of this run are running: the new data layout starts at round %d", start)
+        return start
+
+    def admit_joiners(self, r: int) -> None:
+        """At the commit of round r: workers asking to join (their lease says "joining") get slots from the first
+        round nobody has started (r + 1; r + 2 with delayed overlap, where segment r + 1 may be under way)."""
+        lay = self.layout
+        joiners = self.membership.joiners()
+        if not joiners:
+            return
+        start = max(r + 1 + (self.cfg.outer.overlap == "delayed"), lay.last["from_round"])
+        slots = lay.last["slots"] + len(joiners)
+        lay.resize(start, slots, self.round_windows, f"join: worker(s) {joiners} at round {start}")
+        lay.save(self.paths)
+        self.membership.join_from = slots
+        log.info("workers %s join the run at round %d (%d workers from then on)", joiners, start, slots)
+
+    def expected(self, r: int) -> tuple[int, int]:
+        """(slots of round r, workers awaited in round r): rounds of an older segment before a shrink do not wait
+        for the workers that the new size drops (their deltas still count when they come)."""
+        n = self.layout.slots(r)
+        return n, min(n, self.layout.last["slots"])
+
     # -- waiting for deltas ---------------------------------------------------------------------------------------
     def arrived(self, r: int) -> list[int]:
-        return arrived(self.paths, r, self.cfg.outer.num_workers)
+        return arrived(self.paths, r, self.layout.slots(r))
+
+    def check_slice(self, r: int, w: int, meta: dict) -> dict:
+        """The delta was trained on worker w's slice of round r in the current layout (not an older one)."""
+        from train.exchange.protocol import RejectedDelta
+        want = self.layout.slice(r, w)[0]
+        got = (meta.get("data") or {}).get("offset")
+        if got != want:
+            raise RejectedDelta(w, f"trained on stream offset {got}, but round {r}'s slice of worker {w} starts at "
+                                   f"{want} (the data layout changed: docs/elastic.md)")
+        return meta
 
     def collect(self, r: int) -> tuple[Accumulator, dict[int, str], list[int], float]:
         """Wait for round r's deltas and add each as it arrives (train/exchange/accumulate.py), until every worker's
@@ -109,7 +206,9 @@ class Coordinator:
         from tqdm import tqdm
 
         oc = self.cfg.outer
-        N, H = oc.num_workers, oc.local_steps
+        H = oc.local_steps
+        slots, N = self.expected(r)
+        self.membership.set_workers(N)
         acc = self.master.new_accumulator(r)
         rejected: dict[int, str] = {}
         t0 = time.monotonic()
@@ -124,16 +223,17 @@ class Coordinator:
                 if w in acc.metas or w in rejected:
                     continue
                 try:
-                    acc.add(w, check_sidecar(self.paths, r, w, self.master.delta_codec))
+                    acc.add(w, self.check_slice(r, w, check_sidecar(self.paths, r, w, self.master.delta_codec)))
                 except RejectedDelta as e:
                     rejected[w] = e.reason
                     log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)
                 t_last = time.perf_counter()
+            self.fold_late(r, acc)
             done_steps = min(N * H, sum(H if w in got else self._worker_step(w, r) for w in range(N)))
             if done_steps != bar.n or len(got) != shown:
                 bar.n, shown = done_steps, len(got)
                 bar.set_postfix_str(f"deltas {len(got)}/{N}")  # refreshes the bar
-            if len(got) == N:
+            if set(range(N)) <= set(got):
                 why = {}
                 break
             d = self.membership.poll(set(got))
@@ -153,8 +253,39 @@ class Coordinator:
         if len(acc.workers) < oc.min_workers:
             raise RuntimeError(f"round {r}: only {len(acc.workers)} valid deltas (min_workers = {oc.min_workers}); "
                                f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
-        missing = [w for w in range(N) if w not in got]
+        missing = [w for w in range(slots) if w not in got]
+        for w in missing:
+            self.missing_why.setdefault(f"w{w:03d}", f"not awaited: the run has {N} workers from round "
+                                                     f"{self.layout.last['from_round']} (data layout)")
         return acc, rejected, missing, t_last
+
+    def fold_late(self, r: int, acc: Accumulator) -> None:
+        """outer.late_weight > 0: the deltas of round r - 1 that missed it (published since) go into round r with
+        late_weight x their tokens as weight (a staleness weight); a bad one is logged and left out."""
+        oc = self.cfg.outer
+        if oc.late_weight <= 0 or r == 0:
+            return
+        for w in self.late_candidates(r):
+            if w in acc.late or w in self._late_rejected or not self.paths.delta_meta(r - 1, w).is_file():
+                continue
+            try:
+                meta = self.check_slice(r - 1, w, check_sidecar(self.paths, r - 1, w, self.master.delta_codec))
+                acc.add(w, meta, late_weight=oc.late_weight)
+                log.info("round %d: folded in the late delta of worker %d from round %d (weight %g x %d tokens)",
+                         r, w, r - 1, oc.late_weight, meta["tokens"])
+            except RejectedDelta as e:
+                self._late_rejected.add(w)
+                log.error("round %d: rejected the late delta of worker %d from round %d: %s", r, w, r - 1, e.reason)
+
+    def late_candidates(self, r: int) -> list[int]:
+        """Workers whose delta of round r - 1 was missing when it closed (its COMMITTED record says)."""
+        if getattr(self, "_late_round", None) != r:
+            self._late_round, self._late_rejected = r, set()
+            try:
+                self._late = list(read_json(self.paths.committed(r)).get("missing", []))
+            except (OSError, ValueError):
+                self._late = []
+        return self._late
 
     def _worker_step(self, w: int, r: int) -> int:
         try:
@@ -187,10 +318,19 @@ class Coordinator:
         io = {"bytes_read": acc.bytes_read + self.master.theta.take_bytes(), "bytes_written": fields["bytes_written"]}
         record = round_record(r, sorted(ok), metas, rejected, missing, io, self._last_metrics(), eval_loss=eval_loss,
                               wait_s=round(t_wait, 3), reduce_s=round(t_reduce, 3), eval_s=round(t_eval, 3))
-        record.update(codec=fields["codec"], checkpoint=fields["checkpoint"], missing_why=self.missing_why)
+        record.update(codec=fields["codec"], checkpoint=fields["checkpoint"], missing_why=self.missing_why,
+                      data={f"w{w:03d}": [metas[w]["data"]["offset"], metas[w]["data"]["read"]] for w in sorted(ok)})
+        late = {f"w{w:03d}": {"round": r - 1, "weight": oc.late_weight, "tokens": m["tokens"]}
+                for w, m in sorted(acc.late.items())}
+        if late:  # trained into θ_{r+1} too: their tokens and data count
+            record["late"] = late
+            record["tokens"] += sum(v["tokens"] for v in late.values())
+            record["data"].update({f"w{w:03d}@{r - 1}": [m["data"]["offset"], m["data"]["read"]]
+                                   for w, m in acc.late.items()})
+        self.admit_joiners(r)
         t3 = time.perf_counter()
         commit(paths, r + 1, {"workers": ok, "missing": missing, "missing_why": self.missing_why,
-                              "rejected": record["rejected"],
+                              "rejected": record["rejected"], "late": late,
                               "eval_loss": None if math.isnan(eval_loss) else eval_loss,
                               **{k: fields[k] for k in ("update_sha256", "theta_sha256", "codec", "checkpoint")
                                  if k in fields}})
@@ -207,7 +347,9 @@ class Coordinator:
     def cleanup(self, latest: int) -> None:
         """Delete rounds older than the last `keep_rounds` committed ones (θ_0 stays: it is the run's template)."""
         # delayed overlap: workers start a segment from θ_{r−1} while round r is open: keep one round more
-        prune_rounds(self.paths, latest, self.cfg.outer.keep_rounds + (self.cfg.outer.overlap == "delayed"))
+        oc = self.cfg.outer
+        prune_rounds(self.paths, latest, oc.keep_rounds + (oc.overlap == "delayed"),
+                     before_checkpoint=int(oc.late_weight > 0 and oc.compression != "none"))
 
     # -- the whole run --------------------------------------------------------------------------------------------
     def run(self) -> dict:

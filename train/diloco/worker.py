@@ -3,13 +3,13 @@
     python -m train.diloco.worker --config evolution.json --worker 0 [--set inner.lr=1e-3 ...]
 
 Round r, worker w (docs/protocol.md):
-  1. wait until θ_r is committed; load it (and our inner optimizer state / data position on a restart)
-  2. H inner AdamW steps on our shard
+  1. wait until θ_r is committed; load it (and our inner optimizer state on a restart)
+  2. H inner AdamW steps on our slice of round r's data (train/exchange/layout.py: disjoint per round and worker)
   3. write Δ = θ_r − θ_w to workers/wXXX/delta-r.safetensors (private, atomic)
-  4. save optimizer state + state.json {round_done: r, data position, step}   <- our resume point
+  4. save state.json {round_done: r, step, sidecar} (+ optimizer state in the background)   <- our resume point
   5. publish: move the delta into rounds/r/deltas/ and write its JSON sidecar (the sidecar marks it complete)
-A crash before 4 redoes round r from the same data position; a crash between 4 and 5 publishes the saved delta on
-restart (or drops it when the run has moved on). Nothing is trained twice and no data is replayed or skipped.
+A crash before 4 redoes round r on the same data (a round's slice is fixed by the layout); a crash between 4 and 5
+publishes the saved delta on restart (or drops it when the run has moved on). Nothing is trained twice.
 
 A worker may be a torchrun group (`python -m torch.distributed.run --nproc_per_node N -m train.diloco.worker ...`, see
 train/core/dist.py): rank 0 does every step above that touches BASE_DIR and tells the other ranks, by broadcast, which
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from train.core.config import ConfigError, RunConfig
-from train.core.data import ShardSampler, TokenData, find_data
+from train.core.data import StreamSampler, TokenData, find_data
 from train.core.dist import (
     DistInfo,
     RankBatches,
@@ -42,8 +42,10 @@ from train.core.dist import (
 )
 from train.core.inner import InnerTrainer
 
+from train.core.background import OneSlot
 from train.core.heartbeat import Heartbeat
 from train.exchange.codec import Residual
+from train.exchange.layout import Layout
 from train.exchange.master import exchange_codecs
 from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
 from train.exchange.theta import GlobalTheta
@@ -74,9 +76,9 @@ def build_worker_model(paths: RunPaths, model_config: dict | None = None):
 
 class Worker:
     def __init__(self, cfg: RunConfig, worker_id: int):
-        if not 0 <= worker_id < cfg.outer.num_workers:
-            raise ConfigError(f"--worker {worker_id}: must be in 0..{cfg.outer.num_workers - 1} "
-                              f"(outer.num_workers = {cfg.outer.num_workers})")
+        if not 0 <= worker_id < 1000:
+            raise ConfigError(f"--worker {worker_id}: must be in 0..999 (0..outer.num_workers-1 for the run's "
+                              f"workers; the next id to join a running run, docs/elastic.md)")
         self.cfg, self.w = cfg, worker_id
         self.dist = DistInfo()  # set by setup(): rank 0 of 1 unless started by torchrun
         self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
@@ -126,16 +128,19 @@ class Worker:
         self.theta = GlobalTheta(self.paths, self.back_codec) if main else None
         self.overlap = cfg.outer.overlap == "delayed"
         self.progress: dict[str, torch.Tensor] | None = None  # delayed overlap: our progress over the last segment
-        self._snapshot: threading.Thread | None = None
-        self._snapshot_error: BaseException | None = None
+        self.snap = OneSlot("state-snapshot")    # the state snapshot, written in the background
+        self.pub = OneSlot("publish")            # delayed overlap: a round's whole publication, in the background
+        self.prefetch = OneSlot("prefetch-theta")  # delayed overlap: the next global model, read ahead
+        self._prefetch_round: int | None = None
+        self.trained = -1  # the last round this process trained (its publication may still be in flight)
         self.io = {"read": 0, "written": 0}  # BASE_DIR bytes of the current round (into the next sidecar)
-        position = self.restore_state()
-        self.sampler = ShardSampler(self.data, self.w, cfg.outer.num_workers, cfg.seed, position)
+        self._io_lock = threading.Lock()
+        self.restore_state()
+        self.sampler = StreamSampler(self.data, cfg.seed)
         self.batches = RankBatches(self.sampler, self.dist, cfg.inner.total_batch_size) if self.dist.enabled \
             else self.sampler
-        lo, hi = self.sampler.lo, self.sampler.hi
-        log.info("worker %d on %s: shard windows [%d, %d) of %d tokens each, device %s%s", self.w,
-                 socket.gethostname(), lo, hi, cfg.data.seq_length, self.device,
+        log.info("worker %d on %s: %d training windows of %d tokens, device %s%s", self.w, socket.gethostname(),
+                 self.data.n_train_windows, cfg.data.seq_length, self.device,
                  f", {self.dist.world} processes ({cfg.inner.parallel})" if self.dist.enabled else "")
         self.replay()
 
@@ -148,24 +153,24 @@ class Worker:
             return self.paths.worker_dir(self.w)
         return Path(os.path.expanduser(sd.format(worker=self.w))) / self.cfg.project_name / f"w{self.w:03d}"
 
-    def restore_state(self) -> int:
-        """Load the newest snapshot of our private state; returns the data position to start from (the snapshot's:
-        rounds after it are replayed by `replay`, or skipped when they cannot be, see there)."""
+    def restore_state(self) -> None:
+        """Load the newest snapshot of our private state (rounds after it are replayed by `replay`, or skipped when
+        they cannot be, see there). The data needs no state: a round's slice is fixed by the layout."""
         st = self.state
         st.setdefault("opt_round", st["round_done"])
         if "opt_file" not in st:
             st["opt_round"] = st["round_done"]
-            return st["position"]
+            return
         f = self.state_dir / st["opt_file"]
         present = broadcast_json(f.is_file() if self.dist.main else None, self.dist, self.device)
         if not present:
             log.warning("the inner optimizer state of round %d (%s) is not on this host (outer.state_dir is host-"
-                        "local?): resuming with fresh AdamW moments%s at data position %d (no token is trained "
-                        "twice)", st["opt_round"], f, " and no error-feedback residual" if self.residual else "",
-                        st["position"])
+                        "local?): resuming with fresh AdamW moments%s after round %d (no token is trained twice)",
+                        st["opt_round"], f, " and no error-feedback residual" if self.residual else "",
+                        st["round_done"])
             self.trainer.step = int(st.get("step", 0))
             st["opt_round"] = st["round_done"]
-            return st["position"]
+            return
         self.load_optimizer(f, st.get("opt_extra", st))
         if self.dist.main and (self.residual is not None or self.overlap):
             saved = dict(iter_tensors(f))
@@ -173,14 +178,12 @@ class Worker:
                 self.residual.load(saved)
             prog = {k[len("progress::"):]: v for k, v in saved.items() if k.startswith("progress::")}
             self.progress = prog or None
-        log.info("resumed worker state: last round done %d, optimizer state of round %d, data position %d, inner "
-                 "step %d", st["round_done"], st["opt_round"], st.get("opt_position", st["position"]),
-                 self.trainer.step)
-        return st.get("opt_position", st["position"])
+        log.info("resumed worker state: last round done %d, optimizer state of round %d, inner step %d",
+                 st["round_done"], st["opt_round"], self.trainer.step)
 
     def replay(self) -> None:
         """Rounds we published after our last state snapshot (a kill while it was being written): retrain them from
-        the snapshot without publishing, so the moments, residual and data position are those of an uninterrupted
+        the snapshot without publishing, so the moments and residual are those of an uninterrupted
         run; the re-computed delta must equal the published one (checked by sha256)."""
         st = self.state
         todo = list(range(st["opt_round"] + 1, st["round_done"] + 1))
@@ -192,17 +195,18 @@ class Worker:
                             if self.dist.main else None, self.dist, self.device)
         if not ok:
             log.warning("rounds %s were trained but their state snapshot was lost and their global models are gone: "
-                        "going on from the older optimizer state at data position %d", todo, st["position"])
-            self.sampler.position = st["position"]
+                        "going on from the older optimizer state", todo)
             self.trainer.step = int(st.get("step", self.trainer.step))
             return
         for k in todo:
             log.info("replaying round %d (its state snapshot was not written before the restart)", k)
             self.train_round(k, replay=True)
 
-    def snapshot_state(self, r: int, opt_tensors: dict | None) -> None:
-        """Write the optimizer moments (+ residual) of round r to state_dir in the background, then point state.json
-        at them. The next round joins it before training (the tensors must not change while being written)."""
+    def snapshot_state(self, r: int, opt_tensors: dict | None, now: bool = False):
+        """Write the optimizer moments (+ residual, + progress) of round r to state_dir in the background, then point
+        state.json at them. The next round joins it before training (the tensors must not change while being
+        written). The tensors are taken here; `now`: return the write as a function instead (the caller runs it on
+        its own background thread, after the write_delta that updates the residual)."""
         paths, w = self.paths, self.w
         self.join_snapshot()
         if opt_tensors is None:
@@ -210,8 +214,6 @@ class Worker:
         tensors = dict(opt_tensors)
         if self.overlap:  # training goes on while this is written: copy what the next steps change in place
             tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
-        if self.residual is not None:
-            tensors.update(self.residual.tensors())
         if self.progress is not None:
             tensors.update({f"progress::{k}": v for k, v in self.progress.items()})
         extra = self.trainer.extra_state()
@@ -219,29 +221,34 @@ class Worker:
         opt_file = f"opt-r{r:06d}.safetensors"
         on_base = not self.cfg.outer.state_dir
 
-        def job() -> None:
-            try:
-                save_streaming(self.state_dir / opt_file, tensors)
-                self.state.update(opt_file=opt_file, opt_round=r, opt_position=position, opt_extra=extra)
-                atomic_write_json(paths.worker_state(w), self.state)
-                for old in self.state_dir.glob("opt-r*.safetensors"):
-                    if old.name != opt_file:
-                        old.unlink(missing_ok=True)
-                if on_base:
-                    self.io["written"] += (self.state_dir / opt_file).stat().st_size
-            except BaseException as e:  # surfaced by the next join
-                self._snapshot_error = e
+        def write() -> None:
+            if self.residual is not None:  # only write_delta changes it, and never while this runs
+                tensors.update(self.residual.tensors())
+            save_streaming(self.state_dir / opt_file, tensors)
+            self.state.update(opt_file=opt_file, opt_round=r, opt_position=position, opt_extra=extra)
+            atomic_write_json(paths.worker_state(w), self.state)
+            for old in self.state_dir.glob("opt-r*.safetensors"):
+                if old.name != opt_file:
+                    old.unlink(missing_ok=True)
+            if on_base:
+                self.count_io("written", (self.state_dir / opt_file).stat().st_size)
 
-        self._snapshot = threading.Thread(target=job, name="state-snapshot", daemon=True)
-        self._snapshot.start()
+        if now:
+            return write
+        self.snap.submit(write)
+        return None
 
     def join_snapshot(self) -> None:
-        if self._snapshot is not None:
-            self._snapshot.join()
-            self._snapshot = None
-        if self._snapshot_error is not None:
-            e, self._snapshot_error = self._snapshot_error, None
-            raise e
+        self.snap.join()
+
+    def count_io(self, kind: str, nbytes: int) -> None:
+        with self._io_lock:
+            self.io[kind] += nbytes
+
+    def take_io(self) -> dict:
+        with self._io_lock:
+            io, self.io = self.io, {"read": 0, "written": 0}
+        return io
 
     def load_optimizer(self, opt_file: Path, extra: dict) -> None:
         """Rank 0 reads the saved AdamW state; in a group every rank gets it by broadcast."""
@@ -275,17 +282,28 @@ class Worker:
         while True:
             r = self.paths.latest_committed()
             if r >= rounds:
+                self.pub.join()
+                self.prefetch.cancel()
                 self.join_snapshot()
                 log.info("round %d committed: the run is complete", r)
                 self.hb.beat(force=True, status="done", round=r)
                 broadcast_json(None, self.dist, self.device)
                 return
+            slot = self.find_slot(r)
+            if slot == "leave":
+                broadcast_json(None, self.dist, self.device)
+                return
+            if slot == "wait":
+                wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r or
+                         self.layout_changed(), 5.0, self.poll)
+                continue
             if self.overlap:
                 k = self.next_segment(r)
                 if k is not None:
                     broadcast_json(k, self.dist, self.device)
                     self.train_round(k)
                     continue
+                self.pub.join()  # our last round is published before we wait for the outer step
                 self.publish_pending(self.state["round_done"])
                 self.hb.beat(force=True, status="waiting for the outer step", round=r)
                 wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r, None, self.poll)
@@ -298,13 +316,59 @@ class Worker:
             broadcast_json(r, self.dist, self.device)
             self.train_round(r)
 
+    # -- membership: our slot in the data layout (train/exchange/layout.py, docs/elastic.md) -------------------------
+    def layout_changed(self) -> bool:
+        f = Layout.path(self.paths)
+        try:
+            return f.stat().st_mtime_ns != self._layout_seen
+        except OSError:
+            return False
+
+    def find_slot(self, latest: int) -> str:
+        """"train" when we have a slot in the next round we would train; "wait" while we ask to join (a new worker)
+        or wait for the round a new segment gives us; "leave" when the run no longer has a slot for us."""
+        f = Layout.path(self.paths)
+        self._layout_seen = f.stat().st_mtime_ns if f.is_file() else None
+        lay = Layout.load(self.paths)
+        if lay is None:
+            raise ProtocolError(f"{f} is missing: the coordinator writes it before round 0 (an older coordinator?)")
+        nxt = max(latest, self.state["round_done"] + 1, self.trained + 1)
+        if nxt >= self.cfg.outer.rounds or self.w < lay.slots(nxt):
+            if getattr(self, "_asked", False):
+                log.info("worker %d joined the run at round %d", self.w, nxt)
+                self._asked = False
+            return "train"
+        later = [s for s in lay.segments if s["from_round"] > nxt and s["slots"] > self.w]
+        if later:
+            first = later[0]["from_round"]
+            self.pub.join()
+            log.info("worker %d has a slot from round %d on (%s): waiting for it", self.w, first, later[0]["why"])
+            self.state["round_done"] = first - 1
+            self.progress = None
+            atomic_write_json(self.paths.worker_state(self.w), self.state)
+            return "train"
+        if "sidecar" in self.state:  # we trained in this run before, and it has no slot for us any more
+            why = f"the run has {lay.last['slots']} workers from round {lay.last['from_round']} ({lay.last['why']})"
+            log.info("worker %d leaves: %s", self.w, why)
+            self.join_snapshot()
+            self.hb.stop("left", reason=why)
+            return "leave"
+        slots = lay.last["slots"]
+        if not getattr(self, "_asked", False):
+            log.info("worker %d asks to join a run of %d workers: the coordinator admits it at the next round "
+                     "boundary%s", self.w, slots, "" if self.w == slots else
+                     f" once workers {slots}..{self.w - 1} have joined (ids are given out in order)")
+            self._asked = True
+        self.hb.beat(force=True, status="joining", round=latest)
+        return "wait"
+
     def next_segment(self, latest: int) -> int | None:
         """Delayed overlap: the round whose delta we train next, or None to wait for a commit. Segment k starts
         from θ_{k−1} + our progress over segment k−1, so it may start once θ_{k−1} is committed (one round ahead
         of the synchronous protocol). A worker whose rounds went on without it (restarted late) rejoins at the
         latest round from θ_latest; so does one that lost its progress (its snapshot was on another host)."""
         rounds = self.cfg.outer.rounds
-        k = self.state["round_done"] + 1
+        k = max(self.state["round_done"], self.trained) + 1
         if k >= rounds:
             return None
         if latest > k or (self.progress is None and k > 0):
@@ -320,8 +384,9 @@ class Worker:
         logged updates — and the other ranks get it by broadcast); returns rank 0's float32 CPU copy of θ_r."""
         theta: dict[str, torch.Tensor] = {}
         if self.dist.main:
+            self.finish_prefetch(r)
             self.theta.advance_to(r)
-            self.io["read"] += self.theta.take_bytes()
+            self.count_io("read", self.theta.take_bytes())
             theta = self.theta.tensors
             if set(theta) != set(self.trainer.params):
                 raise ProtocolError(f"round {r}: tensors {sorted(set(theta) ^ set(self.trainer.params))[:5]} of the "
@@ -352,6 +417,8 @@ class Worker:
         else:
             theta_r = self.load_global(r)
         t_load = time.perf_counter() - t0
+        if self.overlap and not replay:
+            self.start_prefetch(r)  # θ_r, where the next segment starts, read while this one trains
 
         def on_step(i: int, loss) -> None:
             if main:
@@ -361,6 +428,8 @@ class Worker:
             self.hb.beat(force=True, status="replaying" if replay else "training", round=r, step=0, steps=H)
         if cfg.inner.reset_state:  # the paper's "reset" variant: fresh inner moments every round (replays too)
             self.trainer.reset_optimizer_state()
+        data = self.data_slice(r)
+        self.sampler.begin(data["offset"], data["windows"])
         stats = self.trainer.train_steps(self.batches.next_batch, H, on_step)
         if self.dist.enabled:
             # FSDP2 shards are gathered (a collective: every rank takes part); DDP copies are already whole.
@@ -373,6 +442,21 @@ class Worker:
         log.info("round %d: %d steps, loss %.4f (last %.4f), %.0f tok/s%s", r, H, stats["loss"], stats["last_loss"],
                  stats["tokens"] / max(stats["seconds"], 1e-9), " (replay)" if replay else "")
 
+        meta = {"inner_steps": H, "tokens": stats["tokens"], "loss": stats["loss"], "last_loss": stats["last_loss"],
+                "train_seconds": stats["seconds"], "load_seconds": t_load, "processes": self.dist.world}
+        if self.overlap and not replay:
+            # Delayed overlap: the next segment starts now. What it changes in place is copied to host memory here
+            # (the parameters, and the moments in snapshot_state); encoding, writing and publishing the delta and
+            # the snapshot run on the publisher thread, one round at a time (train/core/background.py).
+            host = {n: params[n].detach().to("cpu", torch.float32, copy=True) for n in self.theta.names}
+            self.progress = {n: host[n] - theta_r[n] for n in self.theta.names}
+            write_snapshot = self.snapshot_state(r, opt_tensors, now=True)
+            position = self.sampler.position
+            extra = self.trainer.extra_state()
+            self.trained = r
+            self.pub.submit(lambda: self.publish_round(r, theta_r, host, meta, data, position, extra, write_snapshot))
+            return
+        self.trained = r
         # Δ = θ_r − θ_w, in the order of the global file so the reducer reads every file sequentially.
         pending = paths.worker_pending_delta(self.w, r)
         if replay:
@@ -388,22 +472,72 @@ class Worker:
                             "kernels?); the state goes on from the replay", r)
             self.snapshot_state(r, opt_tensors)
             return
+        self.finish_round(r, file, meta, data, self.sampler.position, self.trainer.extra_state())
+        self.snapshot_state(r, opt_tensors)
+
+    def finish_round(self, r: int, file: dict, meta: dict, data: dict, position: int, extra: dict) -> None:
+        """The delta of round r is in our pending file: write our resume point (small, synchronous: the round is
+        done and what to publish; the moments and residual follow in the snapshot, and a restart replays the rounds
+        they missed), then publish."""
         if not file["finite"]:
             log.error("round %d: the delta has non-finite values (diverged?); publishing it anyway so the reducer "
                       "rejects it visibly", r)
-        self.io["written"] += file["bytes"]
-        sidecar = delta_sidecar(r, self.w, file, inner_steps=H, tokens=stats["tokens"], loss=stats["loss"],
-                                last_loss=stats["last_loss"], train_seconds=stats["seconds"], load_seconds=t_load,
-                                processes=self.dist.world)
-        sidecar["io"], self.io = self.io, {"read": 0, "written": 0}
-        sidecar["position"] = self.sampler.position
-        # Our resume point (small, synchronous): the round is done and what to publish; the moments and residual
-        # follow in the background (snapshot_state), and a restart replays the rounds they missed.
-        self.state.update(round_done=r, position=self.sampler.position, sidecar=sidecar,
-                          **self.trainer.extra_state())
-        atomic_write_json(paths.worker_state(self.w), self.state)
+        self.count_io("written", file["bytes"])
+        sidecar = delta_sidecar(r, self.w, file, **meta)
+        sidecar["io"] = self.take_io()
+        sidecar["position"] = position
+        sidecar["data"] = {**data, "read": position - data["offset"]}
+        self.state.update(round_done=r, position=position, sidecar=sidecar, **extra)
+        atomic_write_json(self.paths.worker_state(self.w), self.state)
         self.publish_pending(r)
-        self.snapshot_state(r, opt_tensors)
+
+    def publish_round(self, r: int, theta_r: dict, host: dict, meta: dict, data: dict, position: int, extra: dict,
+                      write_snapshot) -> None:
+        """Delayed overlap, on the publisher thread: encode and write Δ_r from the host copy, publish it, then
+        write the state snapshot of round r (the same files, in the same order, as the synchronous path)."""
+        pending = self.paths.worker_pending_delta(self.w, r)
+        file = write_delta(pending, self.theta.names, theta_r, host, self.delta_codec, r, self.w, self.residual)
+        self.finish_round(r, file, meta, data, position, extra)
+        write_snapshot()
+
+    # -- delayed overlap: the next global model, read ahead -----------------------------------------------------------
+    def start_prefetch(self, r: int) -> None:
+        """Bring our copy of θ to round r as soon as it is committed, on the prefetch thread."""
+        self.prefetch.cancel()
+        stop = self.prefetch.stop
+
+        def job() -> None:
+            while not self.paths.committed(r).is_file():
+                if stop.wait(self.poll):
+                    return
+            self.theta.advance_to(r)
+
+        self._prefetch_round = r
+        self.prefetch.submit(job)
+
+    def finish_prefetch(self, r: int) -> None:
+        """Before our copy of θ is used: wait for a prefetch of round r (its error is raised), cancel any other."""
+        if self._prefetch_round == r and self.paths.committed(r).is_file():
+            self.prefetch.join()
+        else:
+            self.prefetch.cancel()
+        self._prefetch_round = None
+
+    def data_slice(self, r: int) -> dict:
+        """Our slice of round r's data: {segment, offset, windows} (rank 0 reads the layout; the group shares it)."""
+        out = None
+        if self.dist.main:
+            lay = Layout.load(self.paths)
+            if lay is None:
+                raise ProtocolError(f"{Layout.path(self.paths)} is missing (the coordinator writes it at round 0)")
+            offset, windows = lay.slice(r, self.w)
+            need = self.cfg.outer.local_steps * self.cfg.inner.total_batch_size
+            if need > windows:
+                raise ConfigError(f"worker {self.w} would read {need} windows in round {r} (outer.local_steps x "
+                                  f"inner.total_batch_size) but the run gives each worker {windows}: start it with "
+                                  f"the coordinator's values")
+            out = {"segment": lay.index(r), "offset": offset, "windows": windows}
+        return broadcast_json(out, self.dist, self.device)
 
     def publish_pending(self, r: int) -> None:
         """Move our saved delta of round r into rounds/r/deltas/ and write its sidecar (idempotent)."""
@@ -412,11 +546,15 @@ class Worker:
         if paths.delta_meta(r, self.w).is_file() or not pending.is_file():
             return
         latest = paths.latest_committed()
-        if latest is not None and latest > r:
+        late = self.cfg.outer.late_weight > 0
+        if latest is not None and latest > r + late:
             log.warning("round %d was committed without us (we were too slow or restarted); dropping our delta "
                         "and rejoining at round %d", r, latest)
             pending.unlink(missing_ok=True)
             return
+        if latest is not None and latest > r:
+            log.info("round %d was committed without us: publishing our delta late, to be folded into round %d "
+                     "with weight %g (outer.late_weight)", r, latest, self.cfg.outer.late_weight)
         try:
             paths.deltas_dir(r).mkdir(parents=True, exist_ok=True)
             os.replace(pending, paths.delta_file(r, self.w))

@@ -31,11 +31,14 @@ class Accumulator:
         self.total = 0.0
         self.workers: list[int] = []      # in the order they were added
         self.metas: dict[int, dict] = {}
+        self.late: dict[int, dict] = {}   # late deltas of round r - 1 folded in (their sidecars)
         self.bytes_read = 0
 
-    def add(self, w: int, meta: dict) -> None:
-        """Check worker w's delta (its sidecar already passed check_sidecar) and add it; RejectedDelta otherwise."""
-        f = self.paths.delta_file(self.r, w)
+    def add(self, w: int, meta: dict, late_weight: float | None = None) -> None:
+        """Check worker w's delta (its sidecar already passed check_sidecar) and add it; RejectedDelta otherwise.
+        `late_weight`: the delta is w's late one of round r - 1, folded in with that factor on its weight."""
+        late = late_weight is not None
+        f = self.paths.delta_file(self.r - 1 if late else self.r, w)
         try:
             data = f.read_bytes()
         except OSError as e:
@@ -53,7 +56,7 @@ class Accumulator:
                 self.codec.check_values(n, stored)
         except (CodecError, ValueError, OSError) as e:
             raise RejectedDelta(w, str(e))
-        a = float(meta["tokens"]) if self.token_weighted else 1.0
+        a = (float(meta["tokens"]) if self.token_weighted else 1.0) * (late_weight if late else 1.0)
         for n, shape in self.shapes.items():
             d = self.codec.decode(n, stored, shape).to(torch.float64)
             if n in self.sum:
@@ -61,6 +64,9 @@ class Accumulator:
             else:
                 self.sum[n] = d.mul_(a)
         self.total += a
+        if late:
+            self.late[w] = meta
+            return
         self.workers.append(w)
         self.metas[w] = meta
 

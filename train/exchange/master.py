@@ -106,12 +106,15 @@ class OuterMaster:
         for k in range(c, r):
             rec = read_json(self.paths.committed(k + 1))
             acc = self.new_accumulator(k)
-            for w in rec.get("workers", []):
-                try:
+            late = {int(w[1:]): v for w, v in (rec.get("late") or {}).items()}
+            try:
+                for w in rec.get("workers", []):
                     acc.add(w, check_sidecar(self.paths, k, w, self.delta_codec))
-                except RejectedDelta as e:
-                    raise ProtocolError(f"cannot replay round {k} from the deltas on disk ({e}); the run's files "
-                                        f"were changed after the commit") from None
+                for w, v in late.items():
+                    acc.add(w, check_sidecar(self.paths, k - 1, w, self.delta_codec), late_weight=v["weight"])
+            except RejectedDelta as e:
+                raise ProtocolError(f"cannot replay round {k} from the deltas on disk ({e}); the run's files "
+                                    f"were changed after the commit") from None
             stored, _ = self._step(k, acc)
             sha = self._sha_of(stored)
             if rec.get("update_sha256") and sha != rec["update_sha256"]:

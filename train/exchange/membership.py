@@ -49,6 +49,7 @@ from train.core.heartbeat import GONE_STATUSES, boot_id
 from train.core.store import RunPaths, read_json
 
 HISTORY = 10  # rounds whose time-to-quorum makes the straggler deadline
+MAX_JOIN = 8  # worker ids past the current ones whose leases are watched for "joining"
 
 
 @dataclass
@@ -104,6 +105,8 @@ class Membership:
         for w in range(num_workers):  # the baseline: what earlier processes left behind
             rec = self._read(w)
             self.leases[w].record, self.leases[w].key = rec, _key(rec)
+        self.join_from = num_workers  # the first id a joiner would get (the coordinator moves it on)
+        self._joining: dict[int, _Lease] = {}
 
     # -- leases -----------------------------------------------------------------------------------------------------
     def _read(self, w: int) -> dict | None:
@@ -123,19 +126,52 @@ class Membership:
                 ls.record = rec
             if key is not None and key != ls.key:
                 ls.key, ls.changed, ls.current = key, now, True
+        for w in range(self.join_from, self.join_from + MAX_JOIN):
+            rec = self._read(w)
+            if rec is None or rec.get("status") != "joining":
+                self._joining.pop(w, None)
+                continue
+            ls = self._joining.setdefault(w, _Lease(key=_key(rec), changed=now))
+            if _key(rec) != ls.key:
+                ls.key, ls.changed, ls.current = _key(rec), now, True
+            ls.record = rec
         return now
+
+    def joiners(self) -> list[int]:
+        """Workers asking to join (lease status "joining", beating within dead_after_s), as the ids from
+        `join_from` on that are all present (a gap stops the list: ids are handed out in order)."""
+        now = self.observe()
+        out = []
+        for w in range(self.join_from, self.join_from + MAX_JOIN):
+            ls = self._joining.get(w)
+            if ls is None or not ls.current or now - ls.changed >= self.dead_after_s:
+                break
+            out.append(w)
+        return out
+
+    def set_workers(self, n: int) -> None:
+        """Follow workers 0..n-1 from now on (the run grew or shrank). A worker added is judged from its lease as
+        of now: alive at once if it was beating as a joiner, else given the start-up allowance from now."""
+        now = self.clock()
+        for w in range(self.n, n):
+            joined = self._joining.pop(w, None)
+            rec = self._read(w)
+            self.leases[w] = joined or _Lease(key=_key(rec), changed=now, record=rec)
+        for w in range(n, self.n):
+            self.leases.pop(w, None)
+        self.n = n
 
     def state(self, w: int, now: float) -> tuple[str, str]:
         """("alive" | "starting" | "gone", reason) of worker w as of the last observe()."""
         ls = self.leases[w]
         if not ls.current:
             limit = self.dead_after_s + self.startup_grace_s
-            age = now - self.t0
+            age = now - ls.changed  # since we started watching it
             if age < limit:
                 return "starting", f"starting: no heartbeat yet ({age:.1f} s of {limit:g} s = dead_after_s + " \
                                    f"startup_grace_s)"
             what = "no heartbeat" if ls.record is None else "no heartbeat change"
-            return "gone", f"never started: {what} in {age:.1f} s since the coordinator started (dead_after_s + " \
+            return "gone", f"never started: {what} in {age:.1f} s of waiting for it (dead_after_s + " \
                            f"startup_grace_s = {limit:g})"
         rec = ls.record or {}
         status = rec.get("status")

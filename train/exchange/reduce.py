@@ -140,13 +140,14 @@ def validate_and_reduce(paths: RunPaths, r: int, workers: list[int], *, delta_dt
             log.error("round %d: rejected delta of worker %d: %s", r, e.worker, e.reason)
 
 
-def prune_rounds(paths: RunPaths, latest: int, keep: int) -> None:
+def prune_rounds(paths: RunPaths, latest: int, keep: int, before_checkpoint: int = 0) -> None:
     """Delete rounds older than the last `keep` committed ones, but never those a process needs to rebuild θ_latest
     and the outer state: the last fp32 checkpoint <= latest and every round after it (with compression, updates
-    and deltas since the checkpoint; without, every round is one). θ_0 stays: it is the run's template."""
+    and deltas since the checkpoint; without, every round is one), and `before_checkpoint` rounds before it (late
+    deltas folded into the round after the checkpoint). θ_0 stays: it is the run's template."""
     floor = latest - keep + 1
     checkpoints = [c for c in paths.committed_rounds() if c <= latest and paths.is_checkpoint(c)]
-    floor = min(floor, max(checkpoints, default=0))
+    floor = min(floor, max(checkpoints, default=0) - before_checkpoint)
     for r in paths.committed_rounds():
         if r < floor and r != 0:
             d = paths.round_dir(r)

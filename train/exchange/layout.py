@@ -1,0 +1,110 @@
+"""Which windows of the data stream each worker trains on in each round, as the run's membership changes.
+
+The data is one stream (train/core/data.py StreamSampler: a seeded permutation of every training window per
+epoch). The layout cuts it into rounds and slots: a *segment* says that from round `from_round` on, `slots` workers
+each read `windows` consecutive stream windows per round (local_steps x total_batch_size), starting at `offset`:
+
+    worker w in round r  (segment k: from_round_k <= r < from_round_{k+1}, w < slots_k)
+        reads stream[offset_k + ((r - from_round_k) * slots_k + w) * windows_k  :  ... + windows_k]
+
+Every (round, worker) slice is disjoint from every other, and segment k + 1 starts where segment k's last round
+ends, so no window is read twice in an epoch: not across restarts (a replay reads the same slice), not when a
+round goes on without a worker (its slice is skipped, never given to anyone else), and not when the number of
+workers changes. That is how a run resumes with a different `outer.num_workers` (the coordinator adds a segment at
+the first round no worker has started) and how a worker joins a live run (the coordinator adds a segment with one
+slot more at the next round boundary, docs/elastic.md). The file is the coordinator's alone, rewritten atomically
+before the commit that makes its new segment reachable; workers read it at the start of every round.
+
+    data/layout.json = {"config_workers": N, "segments": [{"from_round", "slots", "windows", "offset", "why"}]}
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from train.core.store import ProtocolError, RunPaths, atomic_write_json, read_json
+
+
+@dataclass
+class Layout:
+    segments: list[dict] = field(default_factory=list)
+    config_workers: int = 0  # outer.num_workers of the config that made the last resize (resumes compare to it)
+
+    @staticmethod
+    def path(paths: RunPaths) -> Path:
+        return paths.data / "layout.json"
+
+    @classmethod
+    def load(cls, paths: RunPaths) -> "Layout | None":
+        f = cls.path(paths)
+        if not f.is_file():
+            return None
+        raw = read_json(f)
+        try:
+            segs = [{k: int(s[k]) for k in ("from_round", "slots", "windows", "offset")} | {"why": s.get("why", "")}
+                    for s in raw["segments"]]
+            lay = cls(segs, int(raw["config_workers"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"{f}: not a data layout ({type(e).__name__}: {e}); it is the coordinator's file, "
+                                f"do not edit it") from None
+        if not segs or any(b["from_round"] <= a["from_round"] for a, b in zip(segs, segs[1:])):
+            raise ProtocolError(f"{f}: segments must start at increasing rounds")
+        return lay
+
+    @classmethod
+    def single(cls, num_workers: int, windows: int) -> "Layout":
+        """One segment from round 0 (a new run; also what DiLoCoOptimizer-style tools can use to draw the same
+        batches as the file protocol)."""
+        return cls([{"from_round": 0, "slots": num_workers, "windows": windows, "offset": 0,
+                     "why": f"start: {num_workers} workers"}], num_workers)
+
+    def save(self, paths: RunPaths) -> None:
+        atomic_write_json(self.path(paths), {"config_workers": self.config_workers, "segments": self.segments})
+
+    # -- lookups ----------------------------------------------------------------------------------------------------
+    def index(self, r: int) -> int:
+        """The segment of round r."""
+        k = 0
+        for i, s in enumerate(self.segments):
+            if s["from_round"] <= r:
+                k = i
+        return k
+
+    def segment(self, r: int) -> dict:
+        return self.segments[self.index(r)]
+
+    def slots(self, r: int) -> int:
+        return self.segment(r)["slots"]
+
+    @property
+    def last(self) -> dict:
+        return self.segments[-1]
+
+    def slice(self, r: int, w: int) -> tuple[int, int]:
+        """(first stream offset, windows) of worker w in round r."""
+        s = self.segment(r)
+        if not 0 <= w < s["slots"]:
+            raise ProtocolError(f"round {r} has {s['slots']} worker slots (segment from round {s['from_round']}): "
+                                f"worker {w} has none")
+        return s["offset"] + ((r - s["from_round"]) * s["slots"] + w) * s["windows"], s["windows"]
+
+    def end_offset(self, r: int) -> int:
+        """The stream offset where round r's slices start when a new segment begins at round r."""
+        s = self.segment(r)
+        return s["offset"] + (r - s["from_round"]) * s["slots"] * s["windows"]
+
+    # -- changes (coordinator) ----------------------------------------------------------------------------------------
+    def resize(self, from_round: int, slots: int, windows: int, why: str) -> dict:
+        """A new segment from `from_round` (>= every existing segment's start; an unreached later one is replaced)."""
+        if from_round < self.last["from_round"]:
+            raise ValueError(f"a segment from round {from_round} would rewrite rounds of the segment from round "
+                             f"{self.last['from_round']}")
+        if from_round == self.last["from_round"] and len(self.segments) > 1:
+            self.segments.pop()  # not reached yet by anyone: replace it
+        seg = {"from_round": from_round, "slots": slots, "windows": windows, "offset": self.end_offset(from_round),
+               "why": why}
+        if from_round == 0:
+            self.segments = [seg]
+        else:
+            self.segments.append(seg)
+        return seg
