@@ -229,3 +229,26 @@ def test_sigkill_coordinator_and_a_worker_mid_generation_then_the_run_finishes(t
         verify_manifest(paths.member_dir(g, int(kept[0][1:])))
     assert all((paths.jobs_dir(g)).is_dir() for g in (G - 2, G - 1))
     verify_manifest(paths.final)
+
+
+@pytest.mark.slow
+def test_a_worker_started_mid_run_takes_jobs_of_the_next_generation(tmp_path):
+    """EDT joining: workers pull jobs from the queue, so one more worker process (any new id) started mid-run takes
+    jobs from the next generation on, and the run finishes with it."""
+    cfg = edt_config(tmp_path, workers=1, population_size=4, max_generations=4, mutation_steps=30)
+    paths = EDTPaths(tmp_path / "runs" / "t")
+    sim = subprocess.Popen([sys.executable, str(REPO / "edt_sim.py"), "--config", cfg, "--threads", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    joiner = None
+    try:
+        wait_until(lambda: paths.metrics.is_file() and len(read_jsonl(paths.metrics)) >= 1, 300,
+                   "generation 0 evaluated", sim)
+        joiner = start_script(["-m", "train.edt.worker", "--config", cfg, "--worker", "1", "--threads", "1"],
+                              tmp_path / "joiner.log")
+        out, _ = sim.communicate(timeout=600)
+        assert joiner.wait(timeout=120) == 0, (tmp_path / "joiner.log").read_text()[-3000:]
+    finally:
+        kill_all([p for p in (sim, joiner) if p is not None])
+    assert sim.returncode == 0, out[-3000:]
+    last = [read_json(paths.result(g, m)) for g in (2, 3) for m in range(4) if paths.result(g, m).is_file()]
+    assert len(last) == 8 and {r["worker"] for r in last} == {0, 1}, [r["worker"] for r in last]
