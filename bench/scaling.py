@@ -24,7 +24,8 @@ decay 1/T (inner.weight_decay_mode = inverse_steps), gradient clipping 1, inner 
 outer momentum 0.9 with a constant outer lr of 0.4 for M = 1 and 0.6 for M = 2, 4 (0.8 for M = 8). Beyond the
 paper, at H = 30: MuLoCo (inner.optimizer = muon) for the smallest and largest M and a DP Muon row, the delayed
 outer step (outer.overlap = delayed) at the largest M, and the project's default outer step (lr 1, momentum 0:
-parameter averaging) for every M > 1 (--outer LR,MOM ... adds rows with other outer steps at H = 30 for every M).
+parameter averaging) for every M > 1, with AdamW and with Muon inner (--outer LR,MOM ... adds rows with other outer
+steps at H = 30 for every M).
 The inner peak lr was tuned for DP on seed 0: AdamW 1.6e-2 (of 6e-3, 9e-3, 1.2e-2, 1.6e-2, 2.4e-2), Muon 0.05 (of
 0.02, 0.05, 0.1).
 
@@ -95,6 +96,8 @@ def rows(args) -> list[dict]:
                 "mom": 0.9, "sets": ["outer.overlap=delayed"], "paper": None})
     out += [{"name": f"DiLoCo M={M} H=30, averaging (lr 1, mom 0: project default)", "M": M, "H": 30, "lr": 1.0,
              "mom": 0.0, "sets": [], "paper": None} for M in args.M if M > 1]  # averaging with M = 1 is DP
+    out += [{"name": f"MuLoCo M={M} H=30, averaging", "M": M, "H": 30, "lr": 1.0, "mom": 0.0,
+             "sets": ["inner.optimizer=muon"], "paper": None} for M in args.M if M > 1]
     for lr, mom in (map(float, o.split(",")) for o in args.outer):
         out += [{"name": f"DiLoCo M={M} H=30, outer lr {lr} mom {mom}", "M": M, "H": 30, "lr": lr, "mom": mom,
                  "sets": [], "paper": None} for M in args.M if (lr, mom) != (1.0, 0.0)]
@@ -133,6 +136,8 @@ def plot(res: list[dict], path: Path) -> None:
     for r in res:
         if r["name"].startswith("DiLoCo") and "," not in r["name"]:
             series.setdefault(f"DiLoCo H={r['H']}", []).append(r)
+        elif r["name"].startswith("MuLoCo") and "averaging" in r["name"]:
+            series.setdefault("MuLoCo H=30, averaging", []).append(r)
         elif r["name"].startswith("MuLoCo"):
             series.setdefault("MuLoCo H=30", []).append(r)
         elif "averaging" in r["name"]:
