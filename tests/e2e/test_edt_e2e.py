@@ -235,7 +235,7 @@ def test_sigkill_coordinator_and_a_worker_mid_generation_then_the_run_finishes(t
 def test_a_worker_started_mid_run_takes_jobs_of_the_next_generation(tmp_path):
     """EDT joining: workers pull jobs from the queue, so one more worker process (any new id) started mid-run takes
     jobs from the next generation on, and the run finishes with it."""
-    cfg = edt_config(tmp_path, workers=1, population_size=4, max_generations=4, mutation_steps=30)
+    cfg = edt_config(tmp_path, workers=1, population_size=4, max_generations=3, mutation_steps=30)
     paths = EDTPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen([sys.executable, str(REPO / "edt_sim.py"), "--config", cfg, "--threads", "1"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
@@ -250,5 +250,5 @@ def test_a_worker_started_mid_run_takes_jobs_of_the_next_generation(tmp_path):
     finally:
         kill_all([p for p in (sim, joiner) if p is not None])
     assert sim.returncode == 0, out[-3000:]
-    last = [read_json(paths.result(g, m)) for g in (2, 3) for m in range(4) if paths.result(g, m).is_file()]
+    last = [read_json(paths.result(g, m)) for g in (1, 2) for m in range(4) if paths.result(g, m).is_file()]
     assert len(last) == 8 and {r["worker"] for r in last} == {0, 1}, [r["worker"] for r in last]

@@ -22,7 +22,7 @@ def _windows(lay: Layout, rounds: int) -> list[int]:
     return out
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 5), st.integers(1, 6), st.integers(1, 4)), min_size=1, max_size=5),
        st.integers(1, 4), st.integers(1, 5))
 def test_slices_never_overlap_and_leave_no_gap_across_resizes(changes, n0, w0):

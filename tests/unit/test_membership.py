@@ -179,9 +179,8 @@ def test_startup_grace_and_stale_files_of_earlier_processes(paths):
     new.beat(force=True, status="waiting for round 0")  # worker 1 started: alive from now on
     clock.t += 0.2
     d = m.poll({0})
-    assert d.missing[1].startswith("alive") and d.gone == {2: "never started: no heartbeat in 130.1 s since the "
-                                                              "coordinator started (dead_after_s + startup_grace_s = "
-                                                              "130)"}
+    assert d.missing[1].startswith("alive") and d.gone == {2: "never started: no heartbeat in 130.1 s of waiting "
+                                                              "for it (dead_after_s + startup_grace_s = 130)"}
     assert not d.close
     assert m.poll({0, 1}).close
 
