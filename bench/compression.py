@@ -165,8 +165,10 @@ def quality(args) -> dict:
         for seed in args.seeds:
             for codec in args.codecs:
                 name = f"{codec} seed {seed}"
-                comp, _, overlap = codec.partition("+")  # e.g. int8+delayed: outer.overlap = delayed too
-                sets = [f"outer.compression={comp}", f"outer.overlap={overlap or 'none'}", f"seed={seed}"]
+                comp, _, overlap = codec.partition("+")  # e.g. int8+delayed@5: overlap delayed, fold after 5 steps
+                overlap, _, tau = overlap.partition("@")
+                sets = [f"outer.compression={comp}", f"outer.overlap={overlap or 'none'}",
+                        f"outer.overlap_steps={args.H if tau == 'end' else tau or 0}", f"seed={seed}"]
                 r = run(base, f"c_{codec}_{seed}", common + sets, args.timeout)
                 text = (base / f"c_{codec}_{seed}" / "metrics.jsonl").read_text()
                 recs = [json.loads(x) for x in text.splitlines()]
@@ -200,8 +202,10 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--checkpoint-every", type=int, default=20)
     ap.add_argument("--bytes-only", action="store_true")
-    ap.add_argument("--codecs", nargs="+", default=["none", "int8", "int4", "none+delayed", "int8+delayed"],
-                    help="outer.compression values; +delayed also sets outer.overlap = delayed")
+    ap.add_argument("--codecs", nargs="+", default=["none", "int8", "int4", "none+delayed@end", "none+delayed",
+                                                        "int8+delayed"],
+                    help="outer.compression values; +delayed / +eager also set outer.overlap, and @TAU "
+                         "outer.overlap_steps (e.g. int8+delayed@5; @end: fold at the segment's end)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--H", type=int, default=25)

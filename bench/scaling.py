@@ -22,10 +22,10 @@ Rows, every one a real `diloco_sim.py` run (worker processes, BASE_DIR protocol)
 the paper's recipe for both: AdamW (0.9, 0.99), linear warmup over 5% of T then cosine to 5% of the peak, weight
 decay 1/T (inner.weight_decay_mode = inverse_steps), gradient clipping 1, inner state kept across rounds, Nesterov
 outer momentum 0.9 with a constant outer lr of 0.4 for M = 1 and 0.6 for M = 2, 4 (0.8 for M = 8). Beyond the
-paper, at H = 30: MuLoCo (inner.optimizer = muon) for the smallest and largest M and a DP Muon row, the delayed
-outer step (outer.overlap = delayed) at the largest M, and the project's default outer step (lr 1, momentum 0:
-parameter averaging) for every M > 1, with AdamW and with Muon inner (--outer LR,MOM ... adds rows with other outer
-steps at H = 30 for every M).
+paper, at H = 30: MuLoCo (inner.optimizer = muon) for the smallest and largest M and a DP Muon row, the
+overlapped outer step (outer.overlap = delayed and eager) at the largest M, and the project's default outer step
+(lr 1, momentum 0: parameter averaging) for every M > 1, with AdamW and with Muon inner, and overlapped at the
+largest M (--outer LR,MOM ... adds rows with other outer steps at H = 30 for every M).
 The inner peak lr was tuned for DP on seed 0: AdamW 1.6e-2 (of 6e-3, 9e-3, 1.2e-2, 1.6e-2, 2.4e-2), Muon 0.05 (of
 0.02, 0.05, 0.1).
 
@@ -92,12 +92,26 @@ def rows(args) -> list[dict]:
     out.append(dict(out[0], name="DP, Muon", sets=["inner.optimizer=muon"]))
     out += [{"name": f"MuLoCo M={M} H=30", "M": M, "H": 30, "lr": OUTER_LR[M], "mom": 0.9,
              "sets": ["inner.optimizer=muon"], "paper": None} for M in sorted({min(args.M), big})]
-    out.append({"name": f"DiLoCo M={big} H=30, delayed outer step", "M": big, "H": 30, "lr": OUTER_LR[big],
-                "mom": 0.9, "sets": ["outer.overlap=delayed"], "paper": None})
+    # the overlapped outer step (docs/overlap.md) with the paper's outer step: folded in at the segment's end (one
+    # round late; delayed and eager rules) and after 6 of the 30 steps (outer.overlap_steps = 6)
+    for rule in ("delayed", "eager"):
+        out.append({"name": f"DiLoCo M={big} H=30, {rule} outer step", "M": big, "H": 30, "lr": OUTER_LR[big],
+                    "mom": 0.9, "sets": [f"outer.overlap={rule}", "outer.overlap_steps=30"], "paper": None})
+    out.append({"name": f"DiLoCo M={big} H=30, delayed, fold after 6", "M": big, "H": 30, "lr": OUTER_LR[big],
+                "mom": 0.9, "sets": ["outer.overlap=delayed", "outer.overlap_steps=6"], "paper": None})
     out += [{"name": f"DiLoCo M={M} H=30, averaging (lr 1, mom 0: project default)", "M": M, "H": 30, "lr": 1.0,
              "mom": 0.0, "sets": [], "paper": None} for M in args.M if M > 1]  # averaging with M = 1 is DP
     out += [{"name": f"MuLoCo M={M} H=30, averaging", "M": M, "H": 30, "lr": 1.0, "mom": 0.0,
              "sets": ["inner.optimizer=muon"], "paper": None} for M in args.M if M > 1]
+    if big > 1:  # ... and with averaging, AdamW and Muon inner
+        out += [{"name": f"DiLoCo M={big} H=30, averaging, {rule}", "M": big, "H": 30, "lr": 1.0, "mom": 0.0,
+                 "sets": [f"outer.overlap={rule}", "outer.overlap_steps=30"], "paper": None}
+                for rule in ("delayed", "eager")]
+        out.append({"name": f"DiLoCo M={big} H=30, averaging, delayed, fold after 6", "M": big, "H": 30, "lr": 1.0,
+                    "mom": 0.0, "sets": ["outer.overlap=delayed", "outer.overlap_steps=6"], "paper": None})
+        out.append({"name": f"MuLoCo M={big} H=30, averaging, eager", "M": big, "H": 30, "lr": 1.0, "mom": 0.0,
+                    "sets": ["inner.optimizer=muon", "outer.overlap=eager", "outer.overlap_steps=30"],
+                    "paper": None})
     for lr, mom in (map(float, o.split(",")) for o in args.outer):
         out += [{"name": f"DiLoCo M={M} H=30, outer lr {lr} mom {mom}", "M": M, "H": 30, "lr": lr, "mom": mom,
                  "sets": [], "paper": None} for M in args.M if (lr, mom) != (1.0, 0.0)]

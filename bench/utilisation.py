@@ -8,8 +8,10 @@ Each configuration is a real `diloco_sim.py` run (worker processes, BASE_DIR pro
 passthrough with a bandwidth cap (bench/throttlefs.py: every read and write of the protocol crosses one shared
 budget, like one NFS link), so the I/O share of a round is what a slow shared disk gives on a CPU box. Per worker,
 from its sidecars: busy = Σ inner-step seconds, wall = from its first step to its last delta, idle per round =
-(wall − busy) / (rounds − 1). Printed for overlap=none and overlap=delayed in the same run, with the ratio of idle
-times. Targets (issue #14): idle(delayed) <= 5% of idle(none); utilisation >= 97% where none gets <= 80%.
+(wall − busy) / (rounds − 1). Printed for overlap=none, delayed folding at the segment's end, and delayed with
+the default fold after H // 5 steps (the worker waits there if the commit is late) in the same run, with the ratio
+of idle times.
+Targets (issue #14): idle(delayed) <= 5% of idle(none); utilisation >= 97% where none gets <= 80%.
 Needs /dev/fuse, libfuse2 and fusepy for the throttle (otherwise use --mbps 0). Writes bench/results/utilisation.json.
 """
 from __future__ import annotations
@@ -77,6 +79,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--mbps", type=float, default=10.0, help="shared-disk bandwidth cap in MB/s; 0 = no throttle")
     ap.add_argument("--codecs", nargs="+", default=["none"], help="outer.compression values to run")
+    ap.add_argument("--overlaps", nargs="+", default=["none", "delayed@end", "delayed"],
+                    help="outer.overlap values, @TAU sets outer.overlap_steps, @end folds at the segment's end "
+                         "(the first is the baseline)")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="edt-util-"))
@@ -88,29 +93,33 @@ def main() -> None:
     results, rows = {}, []
     try:
         for codec in args.codecs:
-            for overlap in ("none", "delayed"):
-                name = f"{codec}/{overlap}"
+            for spec in args.overlaps:
+                name = f"{codec}/{spec}"
+                overlap, _, tau = spec.partition("@")
+                project = f"u_{codec}_{overlap}_{tau or 0}"
                 sets = [f"model.name={args.model}", f"data.seq_length={args.seq}",
                         f"inner.per_device_batch_size={args.batch}", f"inner.total_batch_size={args.batch}",
                         f"outer.num_workers={args.workers}", f"outer.local_steps={args.H}",
                         f"outer.rounds={args.rounds}", f"outer.keep_rounds={args.rounds + 2}",
-                        f"outer.compression={codec}", f"outer.overlap={overlap}", "eval.every=1000",
+                        f"outer.compression={codec}", f"outer.overlap={overlap}",
+                        f"outer.overlap_steps={args.H if tau == 'end' else tau or 0}", "eval.every=1000",
                         "logging.plot=false", "data.max_tokens=2000000"]
                 cmd = [sys.executable, str(REPO / "diloco_sim.py"), "--config", str(REPO / "evolution.json"),
-                       "--base-dir", str(base), "--project", f"u_{codec}_{overlap}", "--no-progress",
+                       "--base-dir", str(base), "--project", project, "--no-progress",
                        *[a for s in sets for a in ("--set", s)]]
                 t0 = time.perf_counter()
                 out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
                 if out.returncode != 0:
                     raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
-                m = measure(base / f"u_{codec}_{overlap}", args.workers, args.rounds)
+                m = measure(base / project, args.workers, args.rounds)
                 m["seconds"] = time.perf_counter() - t0
                 results[name] = m
                 print(f"  {name}: utilisation {m['utilisation'] * 100:.1f}%, idle {m['idle_per_round_s']:.2f} s "
                       f"per round ({m['seconds']:.0f} s)", flush=True)
-            sync, dl = results[f"{codec}/none"], results[f"{codec}/delayed"]
-            for ov, m in (("none", sync), ("delayed", dl)):
-                rows.append([codec, ov, f"{m['utilisation'] * 100:.1f}%", f"{m['idle_per_round_s']:.2f} s",
+            sync = results[f"{codec}/{args.overlaps[0]}"]
+            for spec in args.overlaps:
+                m = results[f"{codec}/{spec}"]
+                rows.append([codec, spec, f"{m['utilisation'] * 100:.1f}%", f"{m['idle_per_round_s']:.2f} s",
                              f"{m['idle_per_round_s'] / sync['idle_per_round_s'] * 100:.1f}%"
                              if sync["idle_per_round_s"] > 0 else "-"])
     finally:
@@ -120,7 +129,7 @@ def main() -> None:
     disk = f"a FUSE passthrough capped at {args.mbps:g} MB/s" if args.mbps > 0 else "the local disk"
     print(f"\n{args.workers} workers, {args.model}, H={args.H}, {args.rounds} rounds, BASE_DIR on {disk}")
     print(table(rows, ["compression", "overlap", "utilisation (busy / wall)", "idle per round",
-                       "idle vs overlap=none (target <= 5%)"]))
+                       f"idle vs overlap={args.overlaps[0]} (target <= 5%)"]))
     save_result("utilisation", {"args": vars(args), "results": results})
 
 

@@ -74,15 +74,17 @@ def test_int8_run_keeps_one_theta_checkpoints_load_and_host_local_state(tmp_path
     assert 2 * values * 1.125 < r3["bytes_deltas"] < 2 * values * 1.125 * 1.15
 
 
-@pytest.mark.parametrize("overlap", ["none", "delayed"])
+@pytest.mark.parametrize("overlap", ["none", "eager"])
 def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     """Coordinator replay (momentum, residual from the deltas since the checkpoint) and worker replay (rounds whose
-    state snapshot was lost) give the uninterrupted run's model, bit for bit; with delayed overlap too, where the
-    delta, the state and the snapshot are written by the publisher thread while the next segment trains and θ is
-    read ahead by the prefetch thread (train/core/background.py)."""
+    state snapshot was lost) give the uninterrupted run's model, bit for bit; with overlap too, where the delta, the
+    state and the snapshot are written by the publisher thread while the next segment trains and θ is read ahead
+    by the prefetch thread (train/core/background.py), and a segment starts from θ_{r−1} + γ × the saved progress
+    (eager) and folds θ_r in after overlap_steps = 3 of its 8 steps, before and after a restart (the delayed
+    start is the eager one with γ = 1)."""
     # rounds wait for every worker (no straggler deadline): who is in a round must not depend on timing here
     fixed = {"momentum": 0.9, "lr": 0.7, "straggler_factor": 0.0, "dead_after_s": 600.0, "rounds": 4,
-             "overlap": overlap, "local_steps": 8 if overlap == "delayed" else 4}
+             "overlap": overlap, "local_steps": 4 if overlap == "none" else 8, "overlap_steps": 3}
     ref_cfg, ref = _write(tmp_path, "ref", **fixed)
     out = run_script("diloco_sim.py", "--config", str(ref_cfg), timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -98,6 +100,8 @@ def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     ra = {r["round"]: r for r in read_jsonl(ref.metrics)}
     rb = {r["round"]: r for r in read_jsonl(paths.metrics)}
     assert ra[4]["eval_loss"] == rb[4]["eval_loss"] and ra[4]["tokens"] == rb[4]["tokens"]
+    if overlap != "none":  # every segment after the first folded the new θ in after 3 of its 8 steps
+        assert "round 3: folded θ_3 in after 3 of 8 steps" in ref.worker_log(0).read_text()
 
 
 # -- what the reducer refuses ------------------------------------------------------------------------------------------
@@ -194,3 +198,5 @@ def test_int8_delayed_overlap_with_a_worker_killed_and_restarted_completes(tmp_p
     assert recs[6]["tokens"] == used * 40 * 8 * 32
     log1 = paths.worker_log(1).read_text()
     assert "resumed worker state" in log1
+    # the default fold is adaptive: every segment after the first folds the new θ in as soon as it is read
+    assert "round 5: folded θ_5 in after" in paths.worker_log(0).read_text()

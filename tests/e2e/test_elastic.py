@@ -368,17 +368,18 @@ def test_a_late_delta_is_folded_into_the_next_round_with_its_staleness_weight(tm
     """outer.late_weight = 0.5 with int8: worker 1 is frozen (SIGSTOP) in round 1 until the round closes without it
     (dead_after_s), then thawed: it publishes its round-1 delta late and round 2 folds it in at half weight; the
     record says so, its tokens count and its slice is still read once."""
-    cfg = _config(tmp_path, outer={"rounds": 4, "local_steps": 100, "late_weight": 0.5, "dead_after_s": 3,
+    H = 400  # a few seconds of steps: worker 1 is frozen while it trains round 1, before it can publish it
+    cfg = _config(tmp_path, outer={"rounds": 3, "local_steps": H, "late_weight": 0.5, "dead_after_s": 3,
                                    "compression": "int8", "straggler_factor": 0})
     paths = RunPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
-        # frozen the moment round 1 can start (its 100 steps take seconds: it cannot have published them yet)
-        wait_until(lambda: _progress(paths, 1).get("pid") and _progress(paths, 1).get("round") == 0, 300,
-                   "worker 1 training round 0", sim)
+        def training_round_1() -> bool:
+            p = _progress(paths, 1)
+            return p.get("round") == 1 and p.get("status") == "training"
+        wait_until(training_round_1, 300, "worker 1 training round 1", sim)
         pid = _progress(paths, 1)["pid"]
-        wait_until(lambda: paths.committed(1).is_file(), 300, "round 0 committed", sim)
         os.kill(pid, signal.SIGSTOP)
         try:
             wait_until(lambda: paths.committed(2).is_file(), 120, "round 1 closed without worker 1", sim)
@@ -391,8 +392,8 @@ def test_a_late_delta_is_folded_into_the_next_round_with_its_staleness_weight(tm
     assert sim.returncode == 0, out[-3000:]
     recs = {r["round"]: r for r in read_jsonl(paths.metrics) if r.get("round", 0) > 0}
     assert recs[2]["workers_used"] == [0] and "dead" in recs[2]["missing_why"]["w001"]
-    assert recs[3]["late"] == {"w001": {"round": 1, "weight": 0.5, "tokens": 100 * 8 * 32}}
-    assert recs[3]["tokens"] - recs[2]["tokens"] == 3 * 100 * 8 * 32  # two deltas of round 2 + the late one
+    assert recs[3]["late"] == {"w001": {"round": 1, "weight": 0.5, "tokens": H * 8 * 32}}
+    assert recs[3]["tokens"] - recs[2]["tokens"] == 3 * H * 8 * 32  # two deltas of round 2 + the late one
     assert read_json(paths.committed(3))["late"]["w001"]["round"] == 1
     got = _stream_windows(paths)
     assert len(got) == len(set(got))

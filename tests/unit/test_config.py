@@ -183,6 +183,8 @@ def test_overrides(tmp_path):
     ("outer.lrr=1", "unknown key 'outer.lrr'; did you mean 'outer.lr'?"),
     ("outer.num_workers=true", "outer.num_workers = true: must be an integer"),
     ("inner.precision=fp8", 'inner.precision = "fp8": must be one of'),
+    ("outer.overlap=eagerly", 'outer.overlap = "eagerly": must be one of'),
+    ("outer.overlap_steps=-1", "outer.overlap_steps = -1: must be >= 0"),
 ])
 def test_bad_overrides_fail_clearly(tmp_path, override, expected):
     path = _write(tmp_path / "evolution.json", {})

@@ -160,3 +160,59 @@ def test_bad_inputs_are_rejected():
         average_deltas([torch.zeros(2), torch.ones(2)], [0, 0])
     p, m = outer_step_tensor(torch.ones(2), torch.ones(2), None, 0.5, 0.0, nesterov=False)
     assert_close(p, torch.full((2,), 0.5))
+
+
+
+# -- the eager overlap's start (docs/overlap.md) ---------------------------------------------------------------------
+@SETTINGS
+@given(n_workers=st.integers(1, 5), n_rounds=st.integers(1, 5), lr=st.floats(0.1, 1.5), seed=st.integers(0, 2 ** 16))
+def test_eager_start_is_kale_et_al_eager_update_without_momentum(n_workers, n_rounds, lr, seed):
+    """Kale et al.'s eager update, simulated as they define it: every worker keeps its own outer parameters and
+    steps them with its fresh Δ / M plus the others' one-round-late deltas (the delayed mean minus its own stale
+    share). Where each worker then starts its next segment equals our eager start θ_k + γ p_k, with θ_k the
+    coordinator's committed model (round k − 1 combined) and γ = eager_gain — for every worker and round."""
+    from types import SimpleNamespace
+
+    from train.core.outer import eager_gain
+
+    gen = torch.Generator().manual_seed(seed)
+    shp = [(3, 4), (5,)]
+    theta = _rand_state(gen, shp)
+    deltas = [[_rand_state(gen, shp, 0.1) for _ in range(n_workers)] for _ in range(n_rounds)]
+    zero = {k: torch.zeros_like(v) for k, v in theta.items()}
+    oc = SimpleNamespace(lr=lr, momentum=0.0, nesterov=True, lr_schedule="constant")
+    kale = [dict(theta) for _ in range(n_workers)]          # each worker's outer parameters
+    committed = [dict(theta)]                                # θ_0, θ_1, ... as the coordinator commits them
+    for t in range(n_rounds):
+        mean_prev = average_deltas_dict(deltas[t - 1]) if t else zero
+        for m in range(n_workers):
+            own_prev = deltas[t - 1][m] if t else zero
+            eager = {k: deltas[t][m][k] / n_workers + mean_prev[k] - own_prev[k] / n_workers for k in theta}
+            kale[m], _ = outer_step(kale[m], eager, None, lr, 0.0)
+            # ours: segment t + 1 starts from θ_t (round t − 1 committed) + γ p_t, p_t = −Δ_t
+            gain = eager_gain(t, oc, n_workers)
+            ours = {k: committed[t][k] + gain * -deltas[t][m][k] for k in theta}
+            for k in theta:
+                assert_close(ours[k], kale[m][k], atol=1e-5, rtol=1e-5)
+        committed.append(diloco_round(committed[t], deltas[t], None, None, lr, 0.0)[0])
+
+
+def average_deltas_dict(ds: list[dict]) -> dict:
+    return {k: average_deltas([d[k] for d in ds]) for k in ds[0]}
+
+
+def test_eager_gain_is_the_weight_of_one_worker_in_the_outer_step():
+    """γ: how far one worker's pseudo-gradient moves θ in one outer step, measured with outer_step itself."""
+    from types import SimpleNamespace
+
+    from train.core.outer import eager_gain
+
+    gen = torch.Generator().manual_seed(1)
+    theta, m, g = (_rand_state(gen, [(6,)]) for _ in range(3))
+    for nesterov in (True, False):
+        oc = SimpleNamespace(lr=0.7, momentum=0.9, nesterov=nesterov, lr_schedule="constant")
+        base, _ = outer_step(theta, {"p0": torch.zeros(6)}, m, 0.7, 0.9, nesterov)
+        moved, _ = outer_step(theta, {"p0": g["p0"] / 4}, m, 0.7, 0.9, nesterov)  # one of 4 workers' share
+        assert_close(base["p0"] - moved["p0"], eager_gain(5, oc, 4) * g["p0"])
+    # one averaging worker: the delayed rule (the whole progress)
+    assert eager_gain(0, SimpleNamespace(lr=1.0, momentum=0.0, nesterov=True, lr_schedule="constant"), 1) == 1.0

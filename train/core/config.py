@@ -225,9 +225,17 @@ class OuterConfig:
                                    "absmax), bfloat16 or float16; with a codec, workers send encoded deltas with "
                                    "error feedback and the coordinator publishes the encoded update θ_{r+1} − θ_r "
                                    "(with its own error feedback) that every copy of θ applies.")
-    overlap: str = doc("none", "none (a worker waits for θ_{r+1} after publishing) or delayed (it goes on "
-                               "training at once and folds θ_{r+1} in one round late: the next segment starts from "
-                               "θ_r + its own progress since its delta; docs/overlap.md). Not with torchrun workers.")
+    overlap: str = doc("none", "none (a worker waits for θ_{r+1} after publishing), delayed or eager (it goes on "
+                               "training at once and folds θ_{r+1} in one round late; the next segment starts from "
+                               "θ_r + its own progress since its delta (delayed), or θ_r + that progress at the "
+                               "weight the outer step gives one worker, η (1 + μ) / M (eager, Kale et al. 2025); "
+                               "docs/overlap.md). Not with torchrun workers.")
+    overlap_steps: int = doc(0, "With overlap: when a segment folds the new global model in (docs/overlap.md): "
+                                "0 = adaptive, at the first step boundary after θ_{r+1} is committed and read (never "
+                                "waits; runs are not bit-reproducible run to run, a restart still replays exactly); "
+                                "τ = after τ steps, waiting there for the commit if needed (Streaming DiLoCo's τ; "
+                                "reproducible); >= local_steps: at the segment's end (one round late). The worker "
+                                "keeps the progress since the segment's start and takes its delta against θ_{r+1}.")
     block_size: int = doc(128, "Values per scale of the int8 / int4 codecs (bench/compression.py measures the "
                                "error against block size).")
     checkpoint_every: int = doc(20, "With compression: an fp32 global model directory (HF-loadable) and the outer "
@@ -268,7 +276,8 @@ class OuterConfig:
         _check_range(self, p, "keep_rounds", 1)
         _check_choice(self, p, "delta_dtype", ("float32", "bfloat16", "float16"))
         _check_choice(self, p, "compression", ("none", "int8", "int4", "bfloat16", "float16"))
-        _check_choice(self, p, "overlap", ("none", "delayed"))
+        _check_choice(self, p, "overlap", ("none", "delayed", "eager"))
+        _check_range(self, p, "overlap_steps", 0)
         _check_range(self, p, "block_size", 8, 1 << 20)
         _check_range(self, p, "checkpoint_every", 1)
         if self.block_size % 2:
@@ -498,7 +507,7 @@ class RunConfig:
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
                 sub.validate(f.name + ".")
-        if self.outer.overlap == "delayed" and self.inner.nproc_per_node > 1:
+        if self.outer.overlap != "none" and self.inner.nproc_per_node > 1:
             raise bad_value("outer.overlap", self.outer.overlap,
                             f"does not work with torchrun workers (inner.nproc_per_node = "
                             f"{self.inner.nproc_per_node}) yet: use overlap none, or one process per worker")

@@ -250,17 +250,20 @@ class InnerTrainer:
         return batch.to(self.device)
 
     def train_steps(self, next_batch: Callable[[int], torch.Tensor], n_steps: int,
-                    on_step: Callable[[int, float | None], None] | None = None) -> dict:
+                    on_step: Callable[[int, float | None], None] | None = None,
+                    before_step: Callable[[int], None] | None = None) -> dict:
         """Run `n_steps` optimizer steps; `on_step(i, loss)` is called after each, with the last training loss read
         back to the host (a float, refreshed every inner.log_every steps; None before the first read-back), so no
         step waits for the device. The returned statistics are exact: every step's loss stays on the device and is
-        read once, at the end."""
+        read once, at the end. `before_step(i)` is called before step i (the overlapped fold)."""
         ic = self.cfg.inner
         accum = self.accum
         losses = torch.zeros(n_steps, device=self.device)
         readback = _LossReadback(ic.log_every, self.device)
         t0 = time.perf_counter()
         for i in range(n_steps):
+            if before_step is not None:
+                before_step(i)
             self._set_lrs()
             step_loss = torch.zeros((), device=self.device)
             for k in range(accum):

@@ -78,3 +78,13 @@ def outer_lr_at(round: int, oc) -> float:
     if oc.lr_schedule == "warmup":
         return oc.lr * min(1.0, (round + 1) / oc.lr_warmup_rounds)
     raise ValueError(f"outer_lr_at: unknown outer.lr_schedule {oc.lr_schedule!r}")
+
+
+
+def eager_gain(round: int, oc, workers: int) -> float:
+    """γ, the weight of one worker's progress in its eager start (docs/overlap.md): the factor with which one
+    pseudo-gradient, at weight 1 / `workers` in the mean, moves θ in the outer step of `round` (θ_{round+1} from
+    θ_round): η (1 + μ) / M with Nesterov (g appears in g + μ m' = (1 + μ) g + μ² m), η / M without. With averaging
+    (η = 1, μ = 0) it is 1 / M, and the eager start θ_r + γ p_r is exactly the model of Kale et al.'s eager update."""
+    lr = outer_lr_at(round, oc)
+    return lr * ((1.0 + oc.momentum) if oc.nesterov else 1.0) / max(1, workers)

@@ -161,7 +161,7 @@ class Coordinator:
             done, r = max(done, r), r + 1
         start = max(latest, done + 1, lay.last["from_round"])
         if workers_alive(paths, slots, oc):
-            start += 1 + (oc.overlap == "delayed")
+            start += 1 + (oc.overlap != "none")
             log.info("workers of this run are running: the new data layout starts at round %d", start)
         return start
 
@@ -172,7 +172,7 @@ class Coordinator:
         joiners = self.membership.joiners()
         if not joiners:
             return
-        start = max(r + 1 + (self.cfg.outer.overlap == "delayed"), lay.last["from_round"])
+        start = max(r + 1 + (self.cfg.outer.overlap != "none"), lay.last["from_round"])
         slots = lay.last["slots"] + len(joiners)
         lay.resize(start, slots, self.round_windows, f"join: worker(s) {joiners} at round {start}")
         lay.save(self.paths)
@@ -346,9 +346,9 @@ class Coordinator:
 
     def cleanup(self, latest: int) -> None:
         """Delete rounds older than the last `keep_rounds` committed ones (θ_0 stays: it is the run's template)."""
-        # delayed overlap: workers start a segment from θ_{r−1} while round r is open: keep one round more
+        # overlap: workers start a segment from θ_{r−1} while round r is open: keep one round more
         oc = self.cfg.outer
-        prune_rounds(self.paths, latest, oc.keep_rounds + (oc.overlap == "delayed"),
+        prune_rounds(self.paths, latest, oc.keep_rounds + (oc.overlap != "none"),
                      before_checkpoint=int(oc.late_weight > 0 and oc.compression != "none"))
 
     # -- the whole run --------------------------------------------------------------------------------------------

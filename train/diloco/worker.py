@@ -126,8 +126,12 @@ class Worker:
         self.delta_codec, self.back_codec = exchange_codecs(cfg.outer)
         self.residual = Residual(self.delta_codec) if self.back_codec is not None else None
         self.theta = GlobalTheta(self.paths, self.back_codec) if main else None
-        self.overlap = cfg.outer.overlap == "delayed"
-        self.progress: dict[str, torch.Tensor] | None = None  # delayed overlap: our progress over the last segment
+        self.overlap = cfg.outer.overlap != "none"  # delayed or eager: the next segment starts before the commit
+        self.eager = cfg.outer.overlap == "eager"
+        # overlap: when a segment folds the new θ in: 0 = as soon as it is read (adaptive), τ = after τ steps
+        tau = cfg.outer.overlap_steps
+        self.fold_step = tau if self.overlap and tau < cfg.outer.local_steps else None  # None: at the segment's end
+        self.progress: dict[str, torch.Tensor] | None = None  # overlap: our progress over the last segment
         self.snap = OneSlot("state-snapshot")    # the state snapshot, written in the background
         self.pub = OneSlot("publish")            # delayed overlap: a round's whole publication, in the background
         self.prefetch = OneSlot("prefetch-theta")  # delayed overlap: the next global model, read ahead
@@ -190,6 +194,8 @@ class Worker:
         if not todo:
             return
         bases = [k - 1 if self.overlap and k > 0 and self.progress is not None else k for k in todo]
+        if self.fold_step is not None:  # ... and folded θ_k in during the segment
+            bases += todo
         ok = broadcast_json(all(self.paths.committed(b).is_file() and
                                 (self.paths.is_checkpoint(b) or self.paths.update_file(b).is_file()) for b in bases)
                             if self.dist.main else None, self.dist, self.device)
@@ -406,14 +412,21 @@ class Worker:
         if main and not self.overlap:
             self.join_snapshot()  # the moments of the last round are on disk before they change
         t0 = time.perf_counter()
+        fold = None
         if self.overlap and r > 0 and self.progress is not None:
-            # delayed overlap: this segment starts from θ_{r−1} + our progress over segment r−1 (docs/overlap.md)
+            # overlap: this segment starts from θ_{r−1} + our progress over segment r−1 (delayed), or + that
+            # progress at the weight the outer step gives it, γ = η (1 + μ) / M (eager; docs/overlap.md)
             theta = self.load_global(r - 1)
-            theta_r = {n: theta[n].add(self.progress[n]) for n in self.theta.names}
+            gain = self.eager_gain(r - 1) if self.eager else 1.0
+            theta_r = {n: theta[n].add(self.progress[n], alpha=gain) for n in self.theta.names}
             params = self.trainer.params
             with torch.no_grad():
                 for n in self.theta.names:
                     params[n].copy_(theta_r[n])
+            if self.fold_step is not None:
+                fold = {"base": theta_r, "wait": 0.0, "step": None}
+                if replay or self.fold_step > 0:  # a replay folds where the published segment did
+                    fold["at"] = self.state.get("fold_steps", {}).get(str(r), H) if replay else self.fold_step
         else:
             theta_r = self.load_global(r)
         t_load = time.perf_counter() - t0
@@ -430,7 +443,14 @@ class Worker:
             self.trainer.reset_optimizer_state()
         data = self.data_slice(r)
         self.sampler.begin(data["offset"], data["windows"])
-        stats = self.trainer.train_steps(self.batches.next_batch, H, on_step)
+        stats = self.trainer.train_steps(self.batches.next_batch, H, on_step, before_step=None if fold is None else
+                                         lambda i: self.maybe_fold(r, i, fold))
+        if fold is not None:
+            if fold["step"] is None:  # θ_r came too late for every step boundary: fold it in at the end
+                self.maybe_fold(r, H, fold)
+            theta_r = fold["base"]  # the delta is taken against θ_r
+            stats["seconds"] -= fold["wait"]
+            t_load += fold["wait"]
         if self.dist.enabled:
             # FSDP2 shards are gathered (a collective: every rank takes part); DDP copies are already whole.
             params = {n: full_tensor(p.detach()) for n, p in self.trainer.params.items()}
@@ -444,6 +464,8 @@ class Worker:
 
         meta = {"inner_steps": H, "tokens": stats["tokens"], "loss": stats["loss"], "last_loss": stats["last_loss"],
                 "train_seconds": stats["seconds"], "load_seconds": t_load, "processes": self.dist.world}
+        if fold is not None:
+            meta["fold_step"] = fold["step"]
         if self.overlap and not replay:
             # Delayed overlap: the next segment starts now. What it changes in place is copied to host memory here
             # (the parameters, and the moments in snapshot_state); encoding, writing and publishing the delta and
@@ -475,6 +497,42 @@ class Worker:
         self.finish_round(r, file, meta, data, self.sampler.position, self.trainer.extra_state())
         self.snapshot_state(r, opt_tensors)
 
+    def maybe_fold(self, r: int, i: int, fold: dict) -> None:
+        """Overlap, before step i of segment r (which started from θ_{r−1} + our progress, its base): fold θ_r in,
+        parameters ← θ_r + (parameters − base), keeping the progress made since the base (docs/overlap.md). When:
+        at fold["at"] (outer.overlap_steps = τ, or a replay: the step the published segment used), waiting for
+        θ_r if needed; adaptive (τ = 0): at the first step boundary after the prefetch thread has read θ_r, never
+        waiting. The wait is not training time (fold["wait"]); fold["step"] is recorded for replays."""
+        if fold["step"] is not None:
+            return
+        at = fold.get("at")
+        if at is not None and i != at:
+            return
+        if at is None and i < self.cfg.outer.local_steps and \
+                (self._prefetch_round != r or self.prefetch.busy or not self.paths.committed(r).is_file()):
+            return
+        t = time.perf_counter()
+        if not self.paths.committed(r).is_file():
+            self.hb.beat(force=True, status="waiting for the outer step", round=r - 1)
+            wait_for(lambda: self.monitor() or self.paths.committed(r).is_file(), None, self.poll)
+        params, names = self.trainer.params, self.theta.names
+        start = fold["base"]
+        q = {n: params[n].detach().to("cpu", torch.float32) - start[n] for n in names}
+        theta = dict(self.load_global(r))  # into the model; our own dict: the next prefetch replaces its entries
+        with torch.no_grad():
+            for n in names:
+                params[n].copy_(theta[n].add(q[n]))
+        fold.update(base=theta, step=i, wait=time.perf_counter() - t)
+        log.info("round %d: folded θ_%d in after %d of %d steps (waited %.2f s for it)", r, r, i,
+                 self.cfg.outer.local_steps, fold["wait"])
+
+    def eager_gain(self, r: int) -> float:
+        """γ of round r's outer step (train/core/outer.py eager_gain), with the workers the layout gives round r."""
+        from train.core.outer import eager_gain
+
+        lay = Layout.load(self.paths)
+        return eager_gain(r, self.cfg.outer, lay.slots(r) if lay is not None else self.cfg.outer.num_workers)
+
     def finish_round(self, r: int, file: dict, meta: dict, data: dict, position: int, extra: dict) -> None:
         """The delta of round r is in our pending file: write our resume point (small, synchronous: the round is
         done and what to publish; the moments and residual follow in the snapshot, and a restart replays the rounds
@@ -488,6 +546,9 @@ class Worker:
         sidecar["position"] = position
         sidecar["data"] = {**data, "read": position - data["offset"]}
         self.state.update(round_done=r, position=position, sidecar=sidecar, **extra)
+        if "fold_step" in meta:  # where segment r folded θ_r in: a replay must fold it in at the same step
+            folds = {k: v for k, v in self.state.get("fold_steps", {}).items() if int(k) > r - 8}
+            self.state["fold_steps"] = {**folds, str(r): meta["fold_step"]}
         atomic_write_json(self.paths.worker_state(self.w), self.state)
         self.publish_pending(r)
 

@@ -57,13 +57,15 @@ def write_delta(path: Path, names: list[str], theta_r: Mapping[str, torch.Tensor
 
 def delta_sidecar(r: int, w: int, file: dict, *, inner_steps: int, tokens: int, loss: float | None,
                   last_loss: float | None = None, train_seconds: float | None = None,
-                  load_seconds: float | None = None, processes: int = 1) -> dict:
-    """The sidecar of worker w's delta of round r; `file` is what write_delta returned."""
+                  load_seconds: float | None = None, processes: int = 1, fold_step: int | None = None) -> dict:
+    """The sidecar of worker w's delta of round r; `file` is what write_delta returned; `fold_step`: with overlap,
+    the step at which the segment folded θ_r in (docs/overlap.md)."""
     return {"protocol": PROTOCOL_VERSION, "round": r, "worker": w, "inner_steps": inner_steps, "tokens": tokens,
             "loss": loss, "last_loss": last_loss, "sha256": file["sha256"], "bytes": file["bytes"],
             "dtype": file["dtype"], "codec": file.get("codec", file["dtype"]), "host": socket.gethostname(),
             "train_seconds": train_seconds,
-            "load_seconds": load_seconds, "processes": processes, "time": time.time()}
+            "load_seconds": load_seconds, "processes": processes, "time": time.time(),
+            **({} if fold_step is None else {"fold_step": fold_step})}
 
 
 def publish_sidecar(paths: RunPaths, sidecar: dict) -> None:
