@@ -13,6 +13,13 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "bench" / "results"
 
 
+def overlap_sets(spec: str, H: int) -> list[str]:
+    """The overrides of an overlap spec as the benches name it: RULE[@TAU], e.g. delayed, delayed@5, delayed@end
+    (outer.overlap = RULE, outer.overlap_steps = TAU; end: the segment's end, i.e. H; no TAU: 0, adaptive)."""
+    rule, _, tau = spec.partition("@")
+    return [f"outer.overlap={rule or 'none'}", f"outer.overlap_steps={H if tau == 'end' else tau or 0}"]
+
+
 def drop_caches() -> bool:
     """Drop the page cache (root only) so reads come from the disk; False when not allowed."""
     try:

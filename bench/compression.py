@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, save_result, smollm_config, table
+from common import REPO, overlap_sets, save_result, smollm_config, table
 
 import torch
 
@@ -166,9 +166,7 @@ def quality(args) -> dict:
             for codec in args.codecs:
                 name = f"{codec} seed {seed}"
                 comp, _, overlap = codec.partition("+")  # e.g. int8+delayed@5: overlap delayed, fold after 5 steps
-                overlap, _, tau = overlap.partition("@")
-                sets = [f"outer.compression={comp}", f"outer.overlap={overlap or 'none'}",
-                        f"outer.overlap_steps={args.H if tau == 'end' else tau or 0}", f"seed={seed}"]
+                sets = [f"outer.compression={comp}", *overlap_sets(overlap, args.H), f"seed={seed}"]
                 r = run(base, f"c_{codec}_{seed}", common + sets, args.timeout)
                 text = (base / f"c_{codec}_{seed}" / "metrics.jsonl").read_text()
                 recs = [json.loads(x) for x in text.splitlines()]

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, save_result, table
+from common import REPO, overlap_sets, save_result, table
 
 
 def mount(backing: Path, mnt: Path, mbps: float) -> subprocess.Popen:
@@ -95,14 +95,12 @@ def main() -> None:
         for codec in args.codecs:
             for spec in args.overlaps:
                 name = f"{codec}/{spec}"
-                overlap, _, tau = spec.partition("@")
-                project = f"u_{codec}_{overlap}_{tau or 0}"
+                project = f"u_{codec}_{spec.replace('@', '_')}"
                 sets = [f"model.name={args.model}", f"data.seq_length={args.seq}",
                         f"inner.per_device_batch_size={args.batch}", f"inner.total_batch_size={args.batch}",
                         f"outer.num_workers={args.workers}", f"outer.local_steps={args.H}",
                         f"outer.rounds={args.rounds}", f"outer.keep_rounds={args.rounds + 2}",
-                        f"outer.compression={codec}", f"outer.overlap={overlap}",
-                        f"outer.overlap_steps={args.H if tau == 'end' else tau or 0}", "eval.every=1000",
+                        f"outer.compression={codec}", *overlap_sets(spec, args.H), "eval.every=1000",
                         "logging.plot=false", "data.max_tokens=2000000"]
                 cmd = [sys.executable, str(REPO / "diloco_sim.py"), "--config", str(REPO / "evolution.json"),
                        "--base-dir", str(base), "--project", project, "--no-progress",

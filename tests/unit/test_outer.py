@@ -184,7 +184,7 @@ def test_eager_start_is_kale_et_al_eager_update_without_momentum(n_workers, n_ro
     kale = [dict(theta) for _ in range(n_workers)]          # each worker's outer parameters
     committed = [dict(theta)]                                # θ_0, θ_1, ... as the coordinator commits them
     for t in range(n_rounds):
-        mean_prev = average_deltas_dict(deltas[t - 1]) if t else zero
+        mean_prev = _mean_delta(deltas[t - 1]) if t else zero
         for m in range(n_workers):
             own_prev = deltas[t - 1][m] if t else zero
             eager = {k: deltas[t][m][k] / n_workers + mean_prev[k] - own_prev[k] / n_workers for k in theta}
@@ -197,7 +197,7 @@ def test_eager_start_is_kale_et_al_eager_update_without_momentum(n_workers, n_ro
         committed.append(diloco_round(committed[t], deltas[t], None, None, lr, 0.0)[0])
 
 
-def average_deltas_dict(ds: list[dict]) -> dict:
+def _mean_delta(ds: list[dict]) -> dict:
     return {k: average_deltas([d[k] for d in ds]) for k in ds[0]}
 
 

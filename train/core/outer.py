@@ -80,7 +80,6 @@ def outer_lr_at(round: int, oc) -> float:
     raise ValueError(f"outer_lr_at: unknown outer.lr_schedule {oc.lr_schedule!r}")
 
 
-
 def eager_gain(round: int, oc, workers: int) -> float:
     """γ, the weight of one worker's progress in its eager start (docs/overlap.md): the factor with which one
     pseudo-gradient, at weight 1 / `workers` in the mean, moves θ in the outer step of `round` (θ_{round+1} from

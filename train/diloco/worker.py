@@ -521,7 +521,7 @@ class Worker:
         theta = dict(self.load_global(r))  # into the model; our own dict: the next prefetch replaces its entries
         with torch.no_grad():
             for n in names:
-                params[n].copy_(theta[n].add(q[n]))
+                params[n].add_(q[n].to(params[n].device))
         fold.update(base=theta, step=i, wait=time.perf_counter() - t)
         log.info("round %d: folded θ_%d in after %d of %d steps (waited %.2f s for it)", r, r, i,
                  self.cfg.outer.local_steps, fold["wait"])
