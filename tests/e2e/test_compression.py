@@ -83,7 +83,8 @@ def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     (eager) and folds θ_r in after overlap_steps = 3 of its 8 steps, before and after a restart (the delayed
     start is the eager one with γ = 1)."""
     # rounds wait for every worker (no straggler deadline): who is in a round must not depend on timing here
-    fixed = {"momentum": 0.9, "lr": 0.7, "straggler_factor": 0.0, "dead_after_s": 600.0, "rounds": 4,
+    fixed = {"momentum": 0.9, "lr": 0.7, "straggler_factor": 0.0, "dead_after_s": 600.0, "round_timeout_s": 3600.0,
+             "rounds": 4,
              "overlap": overlap, "local_steps": 4 if overlap == "none" else 8, "overlap_steps": 3}
     ref_cfg, ref = _write(tmp_path, "ref", **fixed)
     out = run_script("diloco_sim.py", "--config", str(ref_cfg), timeout=400)
