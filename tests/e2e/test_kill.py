@@ -121,3 +121,53 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
     assert all(torch.equal(first[k], again[k]) for k in first)
     verify_manifest(paths.global_dir(1))
     assert not list(paths.rounds.rglob(".*tmp*"))
+
+
+def test_coordinator_killed_between_commit_and_metrics_logs_the_round_on_resume(tmp_path, monkeypatch):
+    """The coordinator commits round r before it evaluates θ_r (in the background, so workers never wait for an
+    evaluation): a coordinator that dies in between has committed a round that metrics.jsonl lacks. The same
+    command logs it on resume, from the record the COMMITTED marker carries, with the evaluation redone."""
+    import train.diloco.coordinator as coord_mod
+    from train.core.store import PROTOCOL_VERSION, atomic_write_json
+
+    cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000}))
+    co = Coordinator(cfg, progress=False)
+    co.setup()
+    co.evals.join()
+    paths = co.paths
+    assert [r["round"] for r in read_jsonl(paths.metrics)] == [0]
+    theta = load_tensors(paths.global_dir(0) / "model.safetensors")
+    for w in (0, 1):
+        sha = save_streaming(paths.delta_file(0, w), {k: torch.full_like(v, 0.01) for k, v in theta.items()})
+        off, n = co.layout.slice(0, w)
+        atomic_write_json(paths.delta_meta(0, w), {"protocol": PROTOCOL_VERSION, "round": 0, "worker": w,
+                                                   "inner_steps": 5, "tokens": 100, "loss": 1.0, "sha256": sha,
+                                                   "bytes": paths.delta_file(0, w).stat().st_size,
+                                                   "data": {"segment": 0, "offset": off, "windows": n, "read": n}})
+    real = coord_mod.evaluate
+
+    def dying(*a, **k):
+        raise KeyboardInterrupt("simulated kill during the evaluation")
+
+    monkeypatch.setattr(coord_mod, "evaluate", dying)
+    co.run_round(0)  # returns once committed: the evaluation runs in the background
+    with pytest.raises(KeyboardInterrupt):
+        co.evals.join()
+    assert paths.latest_committed() == 1
+    assert [r["round"] for r in read_jsonl(paths.metrics)] == [0]  # committed, not logged
+    co.close()
+    monkeypatch.setattr(coord_mod, "evaluate", real)
+
+    co2 = Coordinator(cfg, progress=False)
+    co2.setup()
+    co2.evals.join()
+    recs = read_jsonl(paths.metrics)
+    assert [r["round"] for r in recs] == [0, 1]
+    assert recs[1]["tokens"] == 200 and recs[1]["workers_used"] == [0, 1]
+    assert isinstance(recs[1]["eval_loss"], float) and recs[1]["eval_loss"] == recs[1]["eval_loss"]  # not NaN
+    co2.close()
+    co3 = Coordinator(cfg, progress=False)  # logged once: a later resume adds nothing
+    co3.setup()
+    co3.evals.join()
+    assert [r["round"] for r in read_jsonl(paths.metrics)] == [0, 1]
+    co3.close()

@@ -11,12 +11,12 @@ reducer); this module adds the run around them: setup, waiting with progress, ev
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import time
 
 import torch
 
+from train.core.background import OneSlot
 from train.core.config import RunConfig
 from train.core.data import TokenData, prepare_data
 from train.core.inner import evaluate
@@ -63,6 +63,7 @@ class Coordinator:
         self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
+        self.evals = OneSlot("evaluate")  # a committed round's evaluation and metrics record, off the critical path
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -83,23 +84,20 @@ class Coordinator:
         self.eval_windows = torch.from_numpy(self.data.eval_windows(cfg.eval.batches * cfg.eval.batch_size))
         self.device = pick_device(cfg.inner.device)
         self.model = model.to(self.device)
+        self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
         if paths.latest_committed() is None:
             log.info("initialising round 0 (%s, %.2fM parameters)", cfg.model.name,
                      sum(p.numel() for p in model.parameters()) / 1e6)
             save_model_dir(model, paths.global_dir(0))
-            eval0 = evaluate(self.model, self.eval_windows, cfg.eval.batch_size, self.device, cfg.inner.precision)
+            # committed first, evaluated after: the workers start while the coordinator evaluates θ_0
             atomic_write_json(paths.committed(0), {"round": 0, "time": time.time(), "protocol": PROTOCOL_VERSION,
-                                                   "eval_loss": eval0})
-            self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
-            self.logger.log({"round": 0, "time": time.time(), "eval_loss": eval0, "tokens": 0, "inner_steps": 0})
-            log.info("round 0: eval loss of the initial model %.4f", eval0)
-        else:
-            self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
+                                                   "record": {"round": 0, "tokens": 0, "inner_steps": 0}})
         self.membership = Membership(paths, self.expected(paths.latest_committed())[1], cfg.outer)
         self.membership.join_from = self.layout.last["slots"]
         self.master = OuterMaster(paths, cfg.outer, cfg.outer.rounds)
         self.master.resume(paths.latest_committed())
         self.names = self.master.names
+        self.log_missing_record(paths.latest_committed())
 
     # -- the data layout (train/exchange/layout.py) ------------------------------------------------------------------
     @property
@@ -296,7 +294,7 @@ class Coordinator:
 
     # -- one round ------------------------------------------------------------------------------------------------
     def run_round(self, r: int) -> dict:
-        cfg, paths, oc = self.cfg, self.paths, self.cfg.outer
+        paths, oc = self.paths, self.cfg.outer
         t0 = time.perf_counter()
         acc, rejected, missing, t_last = self.collect(r)
         t_wait = t_last - t0
@@ -307,17 +305,11 @@ class Coordinator:
             self.master.discard_uncommitted(r)
             raise
         t_reduce = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        eval_loss = float("nan")
-        if (r + 1) % cfg.eval.every == 0 or r + 1 == oc.rounds:
-            self.master.theta.load_into(self.model)
-            eval_loss = evaluate(self.model, self.eval_windows, cfg.eval.batch_size, self.device,
-                                 cfg.inner.precision)
-        t_eval = time.perf_counter() - t2
         ok, metas = acc.workers, acc.metas
+        self.evals.join()  # round r's record is logged (this record's tokens add to it)
         io = {"bytes_read": acc.bytes_read + self.master.theta.take_bytes(), "bytes_written": fields["bytes_written"]}
-        record = round_record(r, sorted(ok), metas, rejected, missing, io, self._last_metrics(), eval_loss=eval_loss,
-                              wait_s=round(t_wait, 3), reduce_s=round(t_reduce, 3), eval_s=round(t_eval, 3))
+        record = round_record(r, sorted(ok), metas, rejected, missing, io, self._last_metrics(),
+                              wait_s=round(t_wait, 3), reduce_s=round(t_reduce, 3))
         record.update(codec=fields["codec"], checkpoint=fields["checkpoint"], missing_why=self.missing_why,
                       data={f"w{w:03d}": [metas[w]["data"]["offset"], metas[w]["data"]["read"]] for w in sorted(ok)})
         late = {f"w{w:03d}": {"round": r - 1, "weight": oc.late_weight, "tokens": m["tokens"]}
@@ -329,16 +321,55 @@ class Coordinator:
                                    for w, m in acc.late.items()})
         self.admit_joiners(r)
         t3 = time.perf_counter()
+        record["tail_s"] = round(t3 - t_last, 3)  # last arrival -> committing
+        # The commit comes before the evaluation: the workers go on with θ_{r+1} while the coordinator evaluates it
+        # (evaluating first kept every worker waiting for it, and delayed overlap's fold by as long). The marker
+        # carries the metrics record, so a coordinator killed before logging it logs it when it resumes.
         commit(paths, r + 1, {"workers": ok, "missing": missing, "missing_why": self.missing_why,
-                              "rejected": record["rejected"], "late": late,
-                              "eval_loss": None if math.isnan(eval_loss) else eval_loss,
+                              "rejected": record["rejected"], "late": late, "record": record,
                               **{k: fields[k] for k in ("update_sha256", "theta_sha256", "codec", "checkpoint")
                                  if k in fields}})
         record["commit_s"] = round(time.perf_counter() - t3, 3)
-        record["tail_s"] = round(time.perf_counter() - t_last, 3)  # last arrival -> committed
-        self.logger.log(record)
+        self.log_record(record)
         self.cleanup(r + 1)
         return record
+
+    def log_record(self, record: dict) -> None:
+        """Evaluate the committed global model of record["round"] (every eval.every rounds, the first and the last)
+        and append the round's metrics record — in the background (`self.evals`): the coordinator collects the next
+        round's deltas meanwhile, and joins the job before it builds the next record (tokens are cumulative)."""
+        cfg, k = self.cfg, record["round"]
+        due = k == 0 or k % cfg.eval.every == 0 or k == cfg.outer.rounds
+        self.evals.join()
+        if due:  # a copy of θ_k in the evaluation model, before the next outer step changes θ
+            self.master.theta.load_into(self.model)
+
+        def job() -> None:
+            t = time.perf_counter()
+            eval_loss = float("nan")
+            if due:
+                eval_loss = evaluate(self.model, self.eval_windows, cfg.eval.batch_size, self.device,
+                                     cfg.inner.precision)
+                log.info("round %d: eval loss %.4f%s", k, eval_loss, " (the initial model)" if k == 0 else "")
+            record.update(eval_loss=eval_loss, eval_s=round(time.perf_counter() - t, 3))
+            self.logger.log(record)
+
+        self.evals.submit(job)
+
+    def log_missing_record(self, latest: int) -> None:
+        """Resume: a coordinator killed between committing round `latest` and logging its metrics (the evaluation
+        runs in between) logs them now, from the record its COMMITTED marker carries."""
+        if any(x.get("round") == latest for x in read_jsonl(self.paths.metrics)):
+            return
+        try:
+            record = read_json(self.paths.committed(latest)).get("record")
+        except (OSError, ValueError):
+            record = None
+        if not isinstance(record, dict):  # a marker from before records were carried: nothing to rebuild from
+            log.warning("metrics.jsonl has no record of committed round %d (and its marker carries none)", latest)
+            return
+        log.info("logging the metrics of round %d, committed before the coordinator stopped", latest)
+        self.log_record(dict(record))
 
     def _last_metrics(self) -> dict | None:
         recs = read_jsonl(self.paths.metrics)
@@ -367,10 +398,10 @@ class Coordinator:
             rec = self.run_round(r)
             last = rec
             bar.update(1)
-            bar.set_postfix(train=f"{rec['train_loss']:.3f}", eval=f"{rec['eval_loss']:.3f}")
-            log.info("round %d committed: train loss %.4f, eval loss %.4f, %d deltas%s", r + 1, rec["train_loss"],
-                     rec["eval_loss"], len(rec["workers_used"]),
-                     f", missing {rec['missing']}" if rec["missing"] else "")
+            bar.set_postfix(train=f"{rec['train_loss']:.3f}")
+            log.info("round %d committed: train loss %.4f, %d deltas%s", r + 1, rec["train_loss"],
+                     len(rec["workers_used"]), f", missing {rec['missing']}" if rec["missing"] else "")
+        self.evals.join()  # the last round's evaluation and record
         bar.close()
         self.finalize()
         self.logger.close()
