@@ -20,6 +20,24 @@ def overlap_sets(spec: str, H: int) -> list[str]:
     return [f"outer.overlap={rule or 'none'}", f"outer.overlap_steps={H if tau == 'end' else tau or 0}"]
 
 
+def fold_steps(run_dir: Path) -> list[int]:
+    """With delayed / eager overlap: after how many steps of its next segment each worker folded each committed
+    round in (the `fold_step` of every delta sidecar of the run; H = at the segment's end)."""
+    out = []
+    for f in sorted(Path(run_dir).glob("rounds/r*/deltas/w*.json")):
+        step = json.loads(f.read_text()).get("fold_step")
+        if step is not None:
+            out.append(int(step))
+    return out
+
+
+def fold_summary(steps: list[int], H: int) -> str:
+    """'after 6 of 25 steps (median; 2-16)' for a list of fold steps, '-' without overlap."""
+    if not steps:
+        return "-"
+    return f"after {statistics.median(steps):g} of {H} (median; {min(steps)}-{max(steps)})"
+
+
 def drop_caches() -> bool:
     """Drop the page cache (root only) so reads come from the disk; False when not allowed."""
     try:

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, overlap_sets, save_result, smollm_config, table
+from common import REPO, fold_steps, fold_summary, overlap_sets, save_result, smollm_config, table
 
 import torch
 
@@ -180,6 +180,7 @@ def quality(args) -> dict:
                 r["model_bytes_per_round"] = round_bytes(shapes, args.workers, comp, args.block, state_file,
                                                          10 ** 9)["total"] if comp != "none" else model["total"]
                 r["recorded_steady"] = statistics.mean(steady) if steady else None
+                r["fold_steps"] = fold_steps(base / f"c_{codec}_{seed}")
                 results[name] = r
                 print(f"  {name}: eval loss {r['eval_loss']:.4f}, {r['bytes_per_round'] / 1e6:.2f} MB/round "
                       f"({r['seconds']:.0f}s)", flush=True)
@@ -233,12 +234,13 @@ def main() -> None:
                 check = (f"{r['recorded_steady'] / r['model_bytes_per_round']:.4f}"
                          if r.get("recorded_steady") else "-")
                 qrows.append([codec, seed, f"{r['bytes_per_round'] / 1e6:.3f} MB",
-                              f"{r['bytes_per_round'] / base * 100:.1f}%", f"{r['eval_loss']:.4f}", d, check])
+                              f"{r['bytes_per_round'] / base * 100:.1f}%", f"{r['eval_loss']:.4f}", d, check,
+                              fold_summary(r.get("fold_steps", []), args.H)])
         print(f"\nQuality at equal tokens: bench-llama, {args.workers} workers x {args.steps} steps, H={args.H}, "
               f"outer lr {args.outer_lr} momentum {args.outer_momentum}; state on BASE_DIR; bytes are the mean "
               f"recorded per round (all processes, checkpoints included)")
         print(table(qrows, ["exchange", "seed", "bytes/round", "vs protocol 1", "eval loss", "Δ vs fp32",
-                            "recorded/model (steady rounds)"]))
+                            "recorded/model (steady rounds)", "θ folded in (overlap)"]))
     save_result("compression", record)
 
 

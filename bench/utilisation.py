@@ -7,10 +7,12 @@
 Each configuration is a real `diloco_sim.py` run (worker processes, BASE_DIR protocol). BASE_DIR sits on a FUSE
 passthrough with a bandwidth cap (bench/throttlefs.py: every read and write of the protocol crosses one shared
 budget, like one NFS link), so the I/O share of a round is what a slow shared disk gives on a CPU box. Per worker,
-from its sidecars: busy = Σ inner-step seconds, wall = from its first step to its last delta, idle per round =
-(wall − busy) / (rounds − 1). Printed for overlap=none, delayed folding at the segment's end, and delayed with
-the default fold after H // 5 steps (the worker waits there if the commit is late) in the same run, with the ratio
-of idle times.
+from its sidecars: busy = Σ inner-step seconds, wall = from its first inner step to the end of its last one
+(`trained_at`), idle per round = (wall − busy) / (rounds − 1): the gaps between segments. (Before `trained_at`,
+wall ended when the last delta was published, which charged the last publication — in the background under
+overlap — to idle time.) Printed for overlap=none, delayed folding at the segment's end, and delayed with
+the default adaptive fold (at the first step boundary after the worker has read the commit; never waits) in the
+same run, with the ratio of idle times and where in the next segment the workers folded each commit in.
 Targets (issue #14): idle(delayed) <= 5% of idle(none); utilisation >= 97% where none gets <= 80%.
 Needs /dev/fuse, libfuse2 and fusepy for the throttle (otherwise use --mbps 0). Writes bench/results/utilisation.json.
 """
@@ -26,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, overlap_sets, save_result, table
+from common import REPO, fold_steps, fold_summary, overlap_sets, save_result, table
 
 
 def mount(backing: Path, mnt: Path, mbps: float) -> subprocess.Popen:
@@ -61,12 +63,19 @@ def measure(run_dir: Path, workers: int, rounds: int) -> dict:
         if len(sides) < 2:
             continue
         busy = sum(s["train_seconds"] for s in sides)
-        start = sides[0]["time"] - sides[0]["train_seconds"]
-        wall = sides[-1]["time"] - start
+        # from the first inner step to the last one's end (`trained_at`; older sidecars: when it was published)
+        start = sides[0].get("trained_at", sides[0]["time"]) - sides[0]["train_seconds"]
+        wall = sides[-1].get("trained_at", sides[-1]["time"]) - start
+        # of the idle time: loading θ / folding it in (with the wait for it), from the sidecars' load_seconds
+        load = sum(s.get("load_seconds", 0.0) for s in sides[1:])
+        handoff = sum(s.get("handoff_seconds", 0.0) for s in sides[:-1])  # the wait before the next segment
         per[w] = {"busy_s": busy, "wall_s": wall, "utilisation": busy / wall,
-                  "idle_per_round_s": (wall - busy) / (len(sides) - 1)}
+                  "idle_per_round_s": (wall - busy) / (len(sides) - 1), "load_per_round_s": load / (len(sides) - 1),
+                  "handoff_per_round_s": handoff / (len(sides) - 1)}
     return {"workers": per, "utilisation": statistics.mean(v["utilisation"] for v in per.values()),
-            "idle_per_round_s": statistics.mean(v["idle_per_round_s"] for v in per.values())}
+            "idle_per_round_s": statistics.mean(v["idle_per_round_s"] for v in per.values()),
+            "load_per_round_s": statistics.mean(v["load_per_round_s"] for v in per.values()),
+            "handoff_per_round_s": statistics.mean(v["handoff_per_round_s"] for v in per.values())}
 
 
 def main() -> None:
@@ -110,16 +119,19 @@ def main() -> None:
                 if out.returncode != 0:
                     raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
                 m = measure(base / project, args.workers, args.rounds)
+                m["fold_steps"] = fold_steps(base / project)
                 m["seconds"] = time.perf_counter() - t0
                 results[name] = m
                 print(f"  {name}: utilisation {m['utilisation'] * 100:.1f}%, idle {m['idle_per_round_s']:.2f} s "
-                      f"per round ({m['seconds']:.0f} s)", flush=True)
+                      f"per round, of which loading / folding θ {m['load_per_round_s']:.2f} s, waiting for the "
+                      f"previous publication {m['handoff_per_round_s']:.2f} s ({m['seconds']:.0f} s)",
+                      flush=True)
             sync = results[f"{codec}/{args.overlaps[0]}"]
             for spec in args.overlaps:
                 m = results[f"{codec}/{spec}"]
                 rows.append([codec, spec, f"{m['utilisation'] * 100:.1f}%", f"{m['idle_per_round_s']:.2f} s",
                              f"{m['idle_per_round_s'] / sync['idle_per_round_s'] * 100:.1f}%"
-                             if sync["idle_per_round_s"] > 0 else "-"])
+                             if sync["idle_per_round_s"] > 0 else "-", fold_summary(m["fold_steps"], args.H)])
     finally:
         if fs:
             unmount(mnt, fs)
@@ -127,7 +139,7 @@ def main() -> None:
     disk = f"a FUSE passthrough capped at {args.mbps:g} MB/s" if args.mbps > 0 else "the local disk"
     print(f"\n{args.workers} workers, {args.model}, H={args.H}, {args.rounds} rounds, BASE_DIR on {disk}")
     print(table(rows, ["compression", "overlap", "utilisation (busy / wall)", "idle per round",
-                       f"idle vs overlap={args.overlaps[0]} (target <= 5%)"]))
+                       f"idle vs overlap={args.overlaps[0]} (target <= 5%)", "θ folded in"]))
     save_result("utilisation", {"args": vars(args), "results": results})
 
 

@@ -136,6 +136,7 @@ class Worker:
         self.pub = OneSlot("publish")            # delayed overlap: a round's whole publication, in the background
         self.prefetch = OneSlot("prefetch-theta")  # delayed overlap: the next global model, read ahead
         self._prefetch_round: int | None = None
+        self._prefetched: int | None = None  # the round the prefetch thread has brought θ to (no file check needed)
         self.trained = -1  # the last round this process trained (its publication may still be in flight)
         self.io = {"read": 0, "written": 0}  # BASE_DIR bytes of the current round (into the next sidecar)
         self._io_lock = threading.Lock()
@@ -438,7 +439,9 @@ class Worker:
                 self.hb.beat(status="replaying" if replay else "training", round=r, step=i + 1, steps=H, loss=loss)
 
         if main:
-            self.hb.beat(force=True, status="replaying" if replay else "training", round=r, step=0, steps=H)
+            # with overlap the lease thread writes it within a second: no file write between two segments
+            self.hb.beat(force=not self.overlap, status="replaying" if replay else "training", round=r, step=0,
+                         steps=H)
         if cfg.inner.reset_state:  # the paper's "reset" variant: fresh inner moments every round (replays too)
             self.trainer.reset_optimizer_state()
         data = self.data_slice(r)
@@ -463,7 +466,8 @@ class Worker:
                  stats["tokens"] / max(stats["seconds"], 1e-9), " (replay)" if replay else "")
 
         meta = {"inner_steps": H, "tokens": stats["tokens"], "loss": stats["loss"], "last_loss": stats["last_loss"],
-                "train_seconds": stats["seconds"], "load_seconds": t_load, "processes": self.dist.world}
+                "train_seconds": stats["seconds"], "load_seconds": t_load, "processes": self.dist.world,
+                "trained_at": time.time()}
         if fold is not None:
             meta["fold_step"] = fold["step"]
         if self.overlap and not replay:
@@ -476,6 +480,12 @@ class Worker:
             position = self.sampler.position
             extra = self.trainer.extra_state()
             self.trained = r
+            t = time.perf_counter()
+            self.pub.join()  # back-pressure: round r − 1 is published (and its snapshot written) before r is queued
+            meta["handoff_seconds"] = time.perf_counter() - t
+            if meta["handoff_seconds"] > 0.5:
+                log.info("round %d: waited %.2f s for round %d's publication (BASE_DIR is slower than training)",
+                         r, meta["handoff_seconds"], r - 1)
             self.pub.submit(lambda: self.publish_round(r, theta_r, host, meta, data, position, extra, write_snapshot))
             return
         self.trained = r
@@ -508,11 +518,10 @@ class Worker:
         at = fold.get("at")
         if at is not None and i != at:
             return
-        if at is None and i < self.cfg.outer.local_steps and \
-                (self._prefetch_round != r or self.prefetch.busy or not self.paths.committed(r).is_file()):
-            return
+        if at is None and i < self.cfg.outer.local_steps and self._prefetched != r:
+            return  # adaptive: θ_r is not read yet (the training thread looks at a flag, not at BASE_DIR)
         t = time.perf_counter()
-        if not self.paths.committed(r).is_file():
+        if self._prefetched != r and not self.paths.committed(r).is_file():
             self.hb.beat(force=True, status="waiting for the outer step", round=r - 1)
             wait_for(lambda: self.monitor() or self.paths.committed(r).is_file(), None, self.poll)
         params, names = self.trainer.params, self.theta.names
@@ -572,13 +581,14 @@ class Worker:
                 if stop.wait(self.poll):
                     return
             self.theta.advance_to(r)
+            self._prefetched = r
 
-        self._prefetch_round = r
+        self._prefetch_round, self._prefetched = r, None
         self.prefetch.submit(job)
 
     def finish_prefetch(self, r: int) -> None:
         """Before our copy of θ is used: wait for a prefetch of round r (its error is raised), cancel any other."""
-        if self._prefetch_round == r and self.paths.committed(r).is_file():
+        if self._prefetch_round == r and (self._prefetched == r or self.paths.committed(r).is_file()):
             self.prefetch.join()
         else:
             self.prefetch.cancel()

@@ -57,15 +57,20 @@ def write_delta(path: Path, names: list[str], theta_r: Mapping[str, torch.Tensor
 
 def delta_sidecar(r: int, w: int, file: dict, *, inner_steps: int, tokens: int, loss: float | None,
                   last_loss: float | None = None, train_seconds: float | None = None,
-                  load_seconds: float | None = None, processes: int = 1, fold_step: int | None = None) -> dict:
+                  load_seconds: float | None = None, processes: int = 1, fold_step: int | None = None,
+                  trained_at: float | None = None, handoff_seconds: float | None = None) -> dict:
     """The sidecar of worker w's delta of round r; `file` is what write_delta returned; `fold_step`: with overlap,
-    the step at which the segment folded θ_r in (docs/overlap.md)."""
+    the step at which the segment folded θ_r in (docs/overlap.md); `trained_at`: when its last inner step ended
+    (`time` is when the sidecar was written: with overlap, the publication runs while the next segment trains);
+    `handoff_seconds`: with overlap, how long the hand-off waited for the previous round's publication."""
     return {"protocol": PROTOCOL_VERSION, "round": r, "worker": w, "inner_steps": inner_steps, "tokens": tokens,
             "loss": loss, "last_loss": last_loss, "sha256": file["sha256"], "bytes": file["bytes"],
             "dtype": file["dtype"], "codec": file.get("codec", file["dtype"]), "host": socket.gethostname(),
             "train_seconds": train_seconds,
             "load_seconds": load_seconds, "processes": processes, "time": time.time(),
-            **({} if fold_step is None else {"fold_step": fold_step})}
+            **({} if fold_step is None else {"fold_step": fold_step}),
+            **({} if trained_at is None else {"trained_at": trained_at}),
+            **({} if handoff_seconds is None else {"handoff_seconds": handoff_seconds})}
 
 
 def publish_sidecar(paths: RunPaths, sidecar: dict) -> None:
