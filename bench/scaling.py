@@ -112,6 +112,11 @@ def rows(args) -> list[dict]:
         out.append({"name": f"MuLoCo M={big} H=30, averaging, eager", "M": big, "H": 30, "lr": 1.0, "mom": 0.0,
                     "sets": ["inner.optimizer=muon", "outer.overlap=eager", "outer.overlap_steps=30"],
                     "paper": None})
+    if big > 1 and args.steps % 30 == 0 and args.steps > 60:  # an H schedule: H = 10 for the first 60 steps, then 30
+        n = 6 + (args.steps - 60) // 30
+        for lr, mom, what in ((1.0, 0.0, "averaging"), (OUTER_LR[big], 0.9, "paper's outer step")):
+            out.append({"name": f"DiLoCo M={big} H=10 then 30 (schedule), {what}", "M": big, "H": 30, "rounds": n,
+                        "lr": lr, "mom": mom, "sets": ["outer.local_steps_schedule=[[0,10],[6,30]]"], "paper": None})
     for lr, mom in (map(float, o.split(",")) for o in args.outer):
         out += [{"name": f"DiLoCo M={M} H=30, outer lr {lr} mom {mom}", "M": M, "H": 30, "lr": lr, "mom": mom,
                  "sets": [], "paper": None} for M in args.M if (lr, mom) != (1.0, 0.0)]
@@ -120,7 +125,8 @@ def rows(args) -> list[dict]:
 
 def overrides(args, row: dict, seed: int) -> list[str]:
     M, T = max(row["M"], 1), args.steps
-    if T % row["H"] or args.batch % M:
+    rounds = row.get("rounds", T // row["H"])  # given: an H schedule (outer.local_steps_schedule) adding up to T
+    if ("rounds" not in row and T % row["H"]) or args.batch % M:
         raise SystemExit(f"{row['name']}: --steps {T} must be a multiple of H and --batch {args.batch} of M")
     b = args.batch // M
     sets = [f"seed={seed}", f"model.name={args.model}", f"data.seq_length={args.seq}", "data.eval_fraction=0.05",
@@ -128,7 +134,7 @@ def overrides(args, row: dict, seed: int) -> list[str]:
             f"inner.warmup_steps={max(1, T // 20)}", f"inner.total_steps={T}", "inner.min_lr_ratio=0.05",
             "inner.weight_decay_mode=inverse_steps", "inner.grad_clip=1.0", "inner.reset_state=false",
             f"inner.per_device_batch_size={b}", f"inner.total_batch_size={b}",
-            f"outer.num_workers={M}", f"outer.local_steps={row['H']}", f"outer.rounds={T // row['H']}",
+            f"outer.num_workers={M}", f"outer.local_steps={row['H']}", f"outer.rounds={rounds}",
             f"outer.lr={row['lr']}", f"outer.momentum={row['mom']}", "outer.nesterov=true", "outer.keep_rounds=1",
             "eval.batch_size=32", f"eval.batches={args.eval_batches}", f"eval.every={T}", "logging.plot=false"]
     if args.device:

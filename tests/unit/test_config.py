@@ -185,6 +185,10 @@ def test_overrides(tmp_path):
     ("inner.precision=fp8", 'inner.precision = "fp8": must be one of'),
     ("outer.overlap=eagerly", 'outer.overlap = "eagerly": must be one of'),
     ("outer.overlap_steps=-1", "outer.overlap_steps = -1: must be >= 0"),
+    ("outer.local_steps_schedule=[[0, 10], [5]]", "outer.local_steps_schedule = [[0, 10], [5]]: must be a list of "
+                                                   "[from_round, H] pairs"),
+    ("outer.local_steps_schedule=[[0, 0]]", "(from_round >= 0, H >= 1)"),
+    ("outer.local_steps_schedule=[[4, 10], [2, 30]]", "from_round must increase"),
 ])
 def test_bad_overrides_fail_clearly(tmp_path, override, expected):
     path = _write(tmp_path / "evolution.json", {})
@@ -368,3 +372,12 @@ def test_reference_markdown_lists_every_key_with_its_default_and_doc():
         assert legacy_name in rows[key][2].split(", ")
     # machines.json fields are documented too (the README's machines table comes from their docs)
     assert all(f.metadata.get("doc") for f in dataclasses.fields(Machine))
+
+
+def test_h_schedule_gives_each_round_its_h_and_the_cosine_their_sum():
+    cfg = build_config({"outer": {"rounds": 6, "local_steps": 7, "local_steps_schedule": [[2, 10], [4, 30]]}})
+    assert [cfg.outer.local_steps_at(r) for r in range(6)] == [7, 7, 10, 10, 30, 30]
+    assert cfg.total_inner_steps == 7 + 7 + 10 + 10 + 30 + 30
+    assert build_config({"outer": {"rounds": 3, "local_steps": 7}}).total_inner_steps == 21
+    assert build_config({"outer": {"rounds": 6, "local_steps_schedule": [[2, 10]]},
+                         "inner": {"total_steps": 99}}).total_inner_steps == 99  # given: used as is

@@ -111,7 +111,8 @@ class InnerConfig:
                                           "`weight_decay` is then unused). EvoMerge's SFT mutation always uses "
                                           "`weight_decay`.")
     warmup_steps: int = doc(20, "Linear warmup steps of the inner schedule.")
-    total_steps: int = doc(0, "Length of the cosine schedule in inner steps; 0 = rounds x local_steps.")
+    total_steps: int = doc(0, "Length of the cosine schedule in inner steps; 0 = rounds x local_steps (the sum of "
+                              "the rounds' H with outer.local_steps_schedule).")
     min_lr_ratio: float = doc(0.1, "Cosine floor as a fraction of `lr`.")
     per_device_batch_size: int = doc(16, "Windows per forward/backward pass.")
     total_batch_size: int = doc(16, "Windows per optimizer step (per worker); a multiple of per_device_batch_size "
@@ -198,6 +199,11 @@ class OuterConfig:
     num_workers: int = doc(2, "Workers (DiLoCo replicas); the prototype's NUM_MACHINES.")
     rounds: int = doc(10, "Outer rounds (DiLoCo) to run.")
     local_steps: int = doc(50, "H: inner optimizer steps per worker between outer steps.")
+    local_steps_schedule: list = doc([], "An H schedule: [[from_round, H], ...] with increasing from_round; H of "
+                                         "round r is that of the last entry with from_round <= r (local_steps "
+                                         "before the first). E.g. [[0, 10], [10, 30]]: H = 10 for rounds 0-9, then "
+                                         "30. The DiLoCo file protocol (diloco.py, diloco_sim.py, the launcher); "
+                                         "EDT and DiLoCoOptimizer use local_steps.")
     lr: float = doc(1.0, "Outer SGD learning rate. 1.0 with momentum 0 (parameter averaging) was best in our "
                          "sweep at the embedded scale (docs/benchmarks.md); the DiLoCo paper uses 0.7.")
     momentum: float = doc(0.0, "Outer SGD momentum; the DiLoCo paper uses 0.9 (Nesterov) at larger scale and H.")
@@ -254,8 +260,24 @@ class OuterConfig:
                                   "deadline): 0 = dropped; w > 0 = folded into round r + 1 with w x its tokens as "
                                   "its weight (a staleness weight; 0.5 was best in bench/elastic.py --late).")
 
+    def local_steps_at(self, r: int) -> int:
+        """H of round r (local_steps_schedule, else local_steps)."""
+        H = self.local_steps
+        for start, h in self.local_steps_schedule:
+            if start <= r:
+                H = h
+        return H
+
     def validate(self, p: str) -> None:
         _check_range(self, p, "num_workers", 1)
+        sched = self.local_steps_schedule
+        if not isinstance(sched, list) or not all(
+                isinstance(e, list) and len(e) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+                and e[0] >= 0 and e[1] >= 1 for e in sched):
+            raise bad_value(p + "local_steps_schedule", sched, "must be a list of [from_round, H] pairs of integers "
+                                                               "(from_round >= 0, H >= 1), e.g. [[0, 10], [10, 30]]")
+        if any(b[0] <= a[0] for a, b in zip(sched, sched[1:])):
+            raise bad_value(p + "local_steps_schedule", sched, "from_round must increase from entry to entry")
         _check_choice(self, p, "lr_schedule", ("constant", "warmup"))
         _check_range(self, p, "lr_warmup_rounds", 0)
         if self.lr_schedule == "warmup" and self.lr_warmup_rounds < 1:
@@ -554,7 +576,7 @@ class RunConfig:
 
     @property
     def total_inner_steps(self) -> int:
-        return self.inner.total_steps or self.outer.rounds * self.outer.local_steps
+        return self.inner.total_steps or sum(self.outer.local_steps_at(r) for r in range(self.outer.rounds))
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -81,6 +81,7 @@ class Coordinator:
         self.data = TokenData.open(data_dir, cfg.data.seq_length, cfg.data.eval_fraction)
         self.check_data_size()
         self.layout = self.plan_layout()  # before round 0's commit: workers read it when they start
+        self.follow_schedule((paths.latest_committed() or 0) + (cfg.outer.overlap != "none"), lo=self._free_round)
         self.eval_windows = torch.from_numpy(self.data.eval_windows(cfg.eval.batches * cfg.eval.batch_size))
         self.device = pick_device(cfg.inner.device)
         self.model = model.to(self.device)
@@ -91,7 +92,8 @@ class Coordinator:
             save_model_dir(model, paths.global_dir(0))
             # committed first, evaluated after: the workers start while the coordinator evaluates θ_0
             atomic_write_json(paths.committed(0), {"round": 0, "time": time.time(), "protocol": PROTOCOL_VERSION,
-                                                   "record": {"round": 0, "tokens": 0, "inner_steps": 0}})
+                                                   "record": {"round": 0, "time": time.time(), "tokens": 0,
+                                                              "inner_steps": 0}})
         self.membership = Membership(paths, self.expected(paths.latest_committed())[1], cfg.outer)
         self.membership.join_from = self.layout.last["slots"]
         self.master = OuterMaster(paths, cfg.outer, cfg.outer.rounds)
@@ -100,10 +102,9 @@ class Coordinator:
         self.log_missing_record(paths.latest_committed())
 
     # -- the data layout (train/exchange/layout.py) ------------------------------------------------------------------
-    @property
-    def round_windows(self) -> int:
-        """Stream windows one worker reads per round."""
-        return self.cfg.outer.local_steps * self.cfg.inner.total_batch_size
+    def round_windows(self, r: int) -> int:
+        """Stream windows one worker reads in round r (its H x the batch)."""
+        return self.cfg.outer.local_steps_at(r) * self.cfg.inner.total_batch_size
 
     def check_data_size(self) -> None:
         oc, n = self.cfg.outer, self.data.n_train_windows
@@ -111,9 +112,10 @@ class Coordinator:
             from train.core.errors import DataError
             raise DataError(f"the dataset holds no training window of {self.cfg.data.seq_length + 1} tokens: use "
                             f"more data or a smaller data.seq_length")
-        if n < oc.num_workers * self.round_windows:
+        H = max(oc.local_steps_at(r) for r in range(oc.rounds))
+        if n < oc.num_workers * H * self.cfg.inner.total_batch_size:
             log.warning("the dataset has %d training windows, fewer than one round reads (%d workers x %d steps x "
-                        "%d windows): every round is more than an epoch", n, oc.num_workers, oc.local_steps,
+                        "%d windows): every round is more than an epoch", n, oc.num_workers, H,
                         self.cfg.inner.total_batch_size)
 
     def plan_layout(self) -> Layout:
@@ -122,18 +124,21 @@ class Coordinator:
         paths, oc = self.paths, self.cfg.outer
         latest = paths.latest_committed() or 0
         lay = Layout.load(paths)
-        N, W = oc.num_workers, self.round_windows
+        N = oc.num_workers
+        self._free_round = latest  # the first round no worker may have started (follow_schedule starts there)
         if lay is None:
-            lay = Layout.single(N, W)
+            lay = Layout.single(N, self.round_windows(0))
             if latest > 0:  # a run from before data layouts: its first segment starts here
-                lay.resize(latest, N, W, f"resume at round {latest} (run started before data layouts)")
+                lay.resize(latest, N, self.round_windows(latest),
+                           f"resume at round {latest} (run started before data layouts)")
             lay.save(paths)
             return lay
-        if N == lay.config_workers and W == lay.last["windows"]:
+        start = self._free_round = self.first_free_round(lay, latest)
+        W = self.round_windows(start)
+        if N == lay.config_workers and W == lay.segment(start)["windows"]:
             return lay
-        start = self.first_free_round(lay, latest)
         why = (f"resume: outer.num_workers {lay.config_workers} -> {N}" if N != lay.config_workers else
-               f"resume: {W} windows per worker and round (was {lay.last['windows']})")
+               f"resume: {W} windows per worker and round (was {lay.segment(start)['windows']})")
         seg = lay.resize(start, N, W, why)
         lay.config_workers = N
         lay.save(paths)
@@ -158,9 +163,8 @@ class Coordinator:
         while arrived(paths, r, slots):  # published deltas of rounds not yet committed
             done, r = max(done, r), r + 1
         start = max(latest, done + 1, lay.last["from_round"])
-        if workers_alive(paths, slots, oc):
+        if workers_alive(paths, slots, oc):  # they may be training the next round(s) now
             start += 1 + (oc.overlap != "none")
-            log.info("workers of this run are running: the new data layout starts at round %d", start)
         return start
 
     def admit_joiners(self, r: int) -> None:
@@ -172,10 +176,28 @@ class Coordinator:
             return
         start = max(r + 1 + (self.cfg.outer.overlap != "none"), lay.last["from_round"])
         slots = lay.last["slots"] + len(joiners)
-        lay.resize(start, slots, self.round_windows, f"join: worker(s) {joiners} at round {start}")
+        lay.resize(start, slots, self.round_windows(start), f"join: worker(s) {joiners} at round {start}")
         lay.save(self.paths)
         self.membership.join_from = slots
         log.info("workers %s join the run at round %d (%d workers from then on)", joiners, start, slots)
+
+    def follow_schedule(self, upto: int, lo: int | None = None) -> None:
+        """outer.local_steps_schedule: give rounds lo..upto (upto: the last round workers may start after the next
+        commit; lo: the first no worker may have started, default upto) their H x batch windows, with a new layout
+        segment where the H changes. Called before each commit, so every round's H is in the layout before anyone
+        can start it; a round of an existing later segment keeps it (a resume that moved the layout further)."""
+        lay, changed = self.layout, False
+        for q in range(upto if lo is None else lo, upto + 1):
+            W = self.round_windows(q)
+            if q < lay.last["from_round"] or lay.segment(q)["windows"] == W:
+                continue
+            lay.resize(q, lay.segment(q)["slots"], W, f"H schedule: H = {self.cfg.outer.local_steps_at(q)} from "
+                                                     f"round {q}")
+            changed = True
+            log.info("data layout: H = %d from round %d (outer.local_steps_schedule)",
+                     self.cfg.outer.local_steps_at(q), q)
+        if changed:
+            lay.save(self.paths)
 
     def expected(self, r: int) -> tuple[int, int]:
         """(slots of round r, workers awaited in round r): rounds of an older segment before a shrink do not wait
@@ -204,7 +226,7 @@ class Coordinator:
         from tqdm import tqdm
 
         oc = self.cfg.outer
-        H = oc.local_steps
+        H = oc.local_steps_at(r)
         slots, N = self.expected(r)
         self.membership.set_workers(N)
         acc = self.master.new_accumulator(r)
@@ -320,6 +342,7 @@ class Coordinator:
             record["data"].update({f"w{w:03d}@{r - 1}": [m["data"]["offset"], m["data"]["read"]]
                                    for w, m in acc.late.items()})
         self.admit_joiners(r)
+        self.follow_schedule(r + 1 + (oc.overlap != "none"))
         t3 = time.perf_counter()
         record["tail_s"] = round(t3 - t_last, 3)  # last arrival -> committing
         # The commit comes before the evaluation: the workers go on with θ_{r+1} while the coordinator evaluates it
@@ -450,7 +473,9 @@ class Coordinator:
 
 def config_summary(cfg: RunConfig) -> str:
     oc = cfg.outer
-    return (f"{cfg.project_name}: {oc.num_workers} workers x {oc.rounds} rounds x H={oc.local_steps}, outer lr "
+    H = f"H={oc.local_steps}" if not oc.local_steps_schedule else \
+        "H=" + ", ".join(f"{h} from round {r}" for r, h in oc.local_steps_schedule)
+    return (f"{cfg.project_name}: {oc.num_workers} workers x {oc.rounds} rounds x {H}, outer lr "
             f"{oc.lr} momentum {oc.momentum}{' nesterov' if oc.nesterov else ''}, model {cfg.model.name}, data "
             f"{'fake' if cfg.data.fake_data else cfg.data.dataset} -> {cfg.run_dir}")
 

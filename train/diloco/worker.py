@@ -128,9 +128,6 @@ class Worker:
         self.theta = GlobalTheta(self.paths, self.back_codec) if main else None
         self.overlap = cfg.outer.overlap != "none"  # delayed or eager: the next segment starts before the commit
         self.eager = cfg.outer.overlap == "eager"
-        # overlap: when a segment folds the new θ in: 0 = as soon as it is read (adaptive), τ = after τ steps
-        tau = cfg.outer.overlap_steps
-        self.fold_step = tau if self.overlap and tau < cfg.outer.local_steps else None  # None: at the segment's end
         self.progress: dict[str, torch.Tensor] | None = None  # overlap: our progress over the last segment
         self.snap = OneSlot("state-snapshot")    # the state snapshot, written in the background
         self.pub = OneSlot("publish")            # delayed overlap: a round's whole publication, in the background
@@ -195,8 +192,7 @@ class Worker:
         if not todo:
             return
         bases = [k - 1 if self.overlap and k > 0 and self.progress is not None else k for k in todo]
-        if self.fold_step is not None:  # ... and folded θ_k in during the segment
-            bases += todo
+        bases += [k for k in todo if self.fold_step(k) is not None]  # ... and folded θ_k in during the segment
         ok = broadcast_json(all(self.paths.committed(b).is_file() and
                                 (self.paths.is_checkpoint(b) or self.paths.update_file(b).is_file()) for b in bases)
                             if self.dist.main else None, self.dist, self.device)
@@ -408,7 +404,7 @@ class Worker:
 
     def train_round(self, r: int, replay: bool = False) -> None:
         cfg, paths = self.cfg, self.paths
-        H = cfg.outer.local_steps
+        H = cfg.outer.local_steps_at(r)
         main = self.dist.main
         if main and not self.overlap:
             self.join_snapshot()  # the moments of the last round are on disk before they change
@@ -424,10 +420,11 @@ class Worker:
             with torch.no_grad():
                 for n in self.theta.names:
                     params[n].copy_(theta_r[n])
-            if self.fold_step is not None:
-                fold = {"base": theta_r, "wait": 0.0, "step": None}
-                if replay or self.fold_step > 0:  # a replay folds where the published segment did
-                    fold["at"] = self.state.get("fold_steps", {}).get(str(r), H) if replay else self.fold_step
+            tau = self.fold_step(r)
+            if tau is not None:
+                fold = {"base": theta_r, "wait": 0.0, "step": None, "H": H}
+                if replay or tau > 0:  # a replay folds where the published segment did
+                    fold["at"] = self.state.get("fold_steps", {}).get(str(r), H) if replay else tau
         else:
             theta_r = self.load_global(r)
         t_load = time.perf_counter() - t0
@@ -507,6 +504,12 @@ class Worker:
         self.finish_round(r, file, meta, data, self.sampler.position, self.trainer.extra_state())
         self.snapshot_state(r, opt_tensors)
 
+    def fold_step(self, r: int) -> int | None:
+        """Overlap: after how many steps segment r folds θ_r in (0: as soon as it is read, adaptive); None: at the
+        segment's end (outer.overlap_steps >= its H), or no overlap."""
+        tau = self.cfg.outer.overlap_steps
+        return tau if self.overlap and tau < self.cfg.outer.local_steps_at(r) else None
+
     def maybe_fold(self, r: int, i: int, fold: dict) -> None:
         """Overlap, before step i of segment r (which started from θ_{r−1} + our progress, its base): fold θ_r in,
         parameters ← θ_r + (parameters − base), keeping the progress made since the base (docs/overlap.md). When:
@@ -518,7 +521,7 @@ class Worker:
         at = fold.get("at")
         if at is not None and i != at:
             return
-        if at is None and i < self.cfg.outer.local_steps and self._prefetched != r:
+        if at is None and i < fold["H"] and self._prefetched != r:
             return  # adaptive: θ_r is not read yet (the training thread looks at a flag, not at BASE_DIR)
         t = time.perf_counter()
         if self._prefetched != r and not self.paths.committed(r).is_file():
@@ -532,8 +535,8 @@ class Worker:
             for n in names:
                 params[n].add_(q[n].to(params[n].device))
         fold.update(base=theta, step=i, wait=time.perf_counter() - t)
-        log.info("round %d: folded θ_%d in after %d of %d steps (waited %.2f s for it)", r, r, i,
-                 self.cfg.outer.local_steps, fold["wait"])
+        log.info("round %d: folded θ_%d in after %d of %d steps (waited %.2f s for it)", r, r, i, fold["H"],
+                 fold["wait"])
 
     def eager_gain(self, r: int) -> float:
         """γ of round r's outer step (train/core/outer.py eager_gain), with the workers the layout gives round r."""
@@ -602,7 +605,7 @@ class Worker:
             if lay is None:
                 raise ProtocolError(f"{Layout.path(self.paths)} is missing (the coordinator writes it at round 0)")
             offset, windows = lay.slice(r, self.w)
-            need = self.cfg.outer.local_steps * self.cfg.inner.total_batch_size
+            need = self.cfg.outer.local_steps_at(r) * self.cfg.inner.total_batch_size
             if need > windows:
                 raise ConfigError(f"worker {self.w} would read {need} windows in round {r} (outer.local_steps x "
                                   f"inner.total_batch_size) but the run gives each worker {windows}: start it with "

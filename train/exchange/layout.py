@@ -12,8 +12,10 @@ ends, so no window is read twice in an epoch: not across restarts (a replay read
 round goes on without a worker (its slice is skipped, never given to anyone else), and not when the number of
 workers changes. That is how a run resumes with a different `outer.num_workers` (the coordinator adds a segment at
 the first round no worker has started) and how a worker joins a live run (the coordinator adds a segment with one
-slot more at the next round boundary, docs/elastic.md). The file is the coordinator's alone, rewritten atomically
-before the commit that makes its new segment reachable; workers read it at the start of every round.
+slot more at the next round boundary, docs/elastic.md), and how H changes over the rounds
+(outer.local_steps_schedule: a segment with other `windows` where H changes). The file is the coordinator's alone,
+rewritten atomically before the commit that makes its new segment reachable; workers read it at the start of every
+round.
 
     data/layout.json = {"config_workers": N, "segments": [{"from_round", "slots", "windows", "offset", "why"}]}
 """
