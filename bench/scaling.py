@@ -25,7 +25,8 @@ outer momentum 0.9 with a constant outer lr of 0.4 for M = 1 and 0.6 for M = 2, 
 paper, at H = 30: MuLoCo (inner.optimizer = muon) for the smallest and largest M and a DP Muon row, the
 overlapped outer step (outer.overlap = delayed and eager) at the largest M, and the project's default outer step
 (lr 1, momentum 0: parameter averaging) for every M > 1, with AdamW and with Muon inner, and overlapped at the
-largest M (--outer LR,MOM ... adds rows with other outer steps at H = 30 for every M).
+largest M; an H schedule (outer.local_steps_schedule: H = 10 for the first 60 steps, then 30) at the largest M
+with both outer steps (--outer LR,MOM ... adds rows with other outer steps at H = 30 for every M).
 The inner peak lr was tuned for DP on seed 0: AdamW 1.6e-2 (of 6e-3, 9e-3, 1.2e-2, 1.6e-2, 2.4e-2), Muon 0.05 (of
 0.02, 0.05, 0.1).
 
