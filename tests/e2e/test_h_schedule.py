@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_proc import run_script
+from helpers_proc import kill_sim_at_random_moments, run_script, script_cmd
 from train.core.store import RunPaths, read_json, read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -37,3 +37,26 @@ def test_h_schedule_trains_each_round_its_h_and_reads_no_window_twice(write_conf
     assert "H schedule: H = 5 from round 2" in layout["segments"][1]["why"]
     if overlap != "none":
         assert "of 5 steps" in paths.worker_log(0).read_text()  # the fold speaks of round 2's H
+
+
+def test_h_schedule_run_killed_at_random_moments_resumes_and_reads_no_window_twice(write_config, tmp_path):
+    """SIGKILL the simulator (coordinator + workers) at random moments of a run whose H changes, with the delayed
+    outer step; the same command finishes it, every round trained for its H, no window read twice."""
+    H, batch = [3, 3, 6, 6, 6, 2], 8
+    cfg = write_config(outer={"rounds": len(H), "local_steps_schedule": [[0, 3], [2, 6], [5, 2]],
+                              "overlap": "delayed", "keep_rounds": 1})
+    paths = RunPaths(tmp_path / "runs" / "t")
+    kills = kill_sim_at_random_moments(script_cmd("diloco_sim.py", "--config", str(cfg)), paths, len(H), seed=1,
+                                       tries=3, max_pause=1.5)
+    assert kills >= 1
+    out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    logged = read_jsonl(paths.metrics)
+    assert [r["round"] for r in logged] == list(range(len(H) + 1))  # every round logged once, across the kills
+    recs = {r["round"]: r for r in logged}
+    windows = []
+    for r, h in enumerate(H):
+        for offset, read in recs[r + 1]["data"].values():
+            assert read == h * batch
+            windows += range(offset, offset + read)
+    assert len(windows) == len(set(windows)) == sum(H) * 2 * batch
