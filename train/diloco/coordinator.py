@@ -86,7 +86,8 @@ class Coordinator:
         self.device = pick_device(cfg.inner.device)
         self.model = model.to(self.device)
         self.logger = make_metric_logger(cfg.logging.metrics, paths.root, cfg.project_name, cfg.to_dict())
-        if paths.latest_committed() is None:
+        fresh = paths.latest_committed() is None
+        if fresh:
             log.info("initialising round 0 (%s, %.2fM parameters)", cfg.model.name,
                      sum(p.numel() for p in model.parameters()) / 1e6)
             save_model_dir(model, paths.global_dir(0))
@@ -99,7 +100,7 @@ class Coordinator:
         self.master = OuterMaster(paths, cfg.outer, cfg.outer.rounds)
         self.master.resume(paths.latest_committed())
         self.names = self.master.names
-        self.log_missing_record(paths.latest_committed())
+        self.log_missing_record(paths.latest_committed(), resumed=not fresh)
 
     # -- the data layout (train/exchange/layout.py) ------------------------------------------------------------------
     def round_windows(self, r: int) -> int:
@@ -379,9 +380,10 @@ class Coordinator:
 
         self.evals.submit(job)
 
-    def log_missing_record(self, latest: int) -> None:
+    def log_missing_record(self, latest: int, resumed: bool = True) -> None:
         """Resume: a coordinator killed between committing round `latest` and logging its metrics (the evaluation
-        runs in between) logs them now, from the record its COMMITTED marker carries."""
+        runs in between) logs them now, from the record its COMMITTED marker carries. A new run logs round 0 here
+        (`resumed` False)."""
         if any(x.get("round") == latest for x in read_jsonl(self.paths.metrics)):
             return
         try:
@@ -391,7 +393,8 @@ class Coordinator:
         if not isinstance(record, dict):  # a marker from before records were carried: nothing to rebuild from
             log.warning("metrics.jsonl has no record of committed round %d (and its marker carries none)", latest)
             return
-        log.info("logging the metrics of round %d, committed before the coordinator stopped", latest)
+        if resumed:
+            log.info("logging the metrics of round %d, committed before the coordinator stopped", latest)
         self.log_record(dict(record))
 
     def _last_metrics(self) -> dict | None:
