@@ -72,10 +72,8 @@ def measure(run_dir: Path, workers: int, rounds: int) -> dict:
         per[w] = {"busy_s": busy, "wall_s": wall, "utilisation": busy / wall,
                   "idle_per_round_s": (wall - busy) / (len(sides) - 1), "load_per_round_s": load / (len(sides) - 1),
                   "handoff_per_round_s": handoff / (len(sides) - 1)}
-    return {"workers": per, "utilisation": statistics.mean(v["utilisation"] for v in per.values()),
-            "idle_per_round_s": statistics.mean(v["idle_per_round_s"] for v in per.values()),
-            "load_per_round_s": statistics.mean(v["load_per_round_s"] for v in per.values()),
-            "handoff_per_round_s": statistics.mean(v["handoff_per_round_s"] for v in per.values())}
+    keys = ("utilisation", "idle_per_round_s", "load_per_round_s", "handoff_per_round_s")
+    return {"workers": per, **{k: statistics.mean(v[k] for v in per.values()) for k in keys}}
 
 
 def main() -> None:

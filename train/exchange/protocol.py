@@ -68,9 +68,8 @@ def delta_sidecar(r: int, w: int, file: dict, *, inner_steps: int, tokens: int, 
             "dtype": file["dtype"], "codec": file.get("codec", file["dtype"]), "host": socket.gethostname(),
             "train_seconds": train_seconds,
             "load_seconds": load_seconds, "processes": processes, "time": time.time(),
-            **({} if fold_step is None else {"fold_step": fold_step}),
-            **({} if trained_at is None else {"trained_at": trained_at}),
-            **({} if handoff_seconds is None else {"handoff_seconds": handoff_seconds})}
+            **{k: v for k, v in (("fold_step", fold_step), ("trained_at", trained_at),
+                                 ("handoff_seconds", handoff_seconds)) if v is not None}}
 
 
 def publish_sidecar(paths: RunPaths, sidecar: dict) -> None:
