@@ -1,10 +1,12 @@
 """DiLoCo against data-parallel at equal tokens, following Charles et al. 2025 ("Scaling Laws for DiLoCo",
 arXiv 2503.09799) at a size 2 CPU cores train.
 
-    python bench/scaling.py                   # the default study: 32 runs, 2 seeds (70 min on 2 busy CPU cores)
+    python bench/scaling.py                   # the default study: 40 runs, 2 seeds (~80 min on 2 busy CPU cores)
     python bench/scaling.py --quick           # a smoke version: 60 steps, 1 seed, M 1 4, H 10 30 (10 runs)
     python bench/scaling.py --device cuda     # the same study on a GPU (inner.device; auto picks CUDA anyway)
     python bench/scaling.py --report          # the table again from the recorded runs, without running any
+    python bench/scaling.py --H 30 --lrs 0.012 0.016 0.02 --only averaging   # DP and the averaging rows, each
+                                              # at its best inner lr of the three (the paper tunes each setting)
 
 Time: 70 min wall for the default study on 2 CPU cores that another job kept at load 9-15 (2-5 runs at a time);
 one run of DP alone trains at ~30k tokens/s on the 2 idle cores (~50 s with start-up and evaluation).
@@ -24,11 +26,13 @@ decay 1/T (inner.weight_decay_mode = inverse_steps), gradient clipping 1, inner 
 outer momentum 0.9 with a constant outer lr of 0.4 for M = 1 and 0.6 for M = 2, 4 (0.8 for M = 8). Beyond the
 paper, at H = 30: MuLoCo (inner.optimizer = muon) for the smallest and largest M and a DP Muon row, the
 overlapped outer step (outer.overlap = delayed and eager) at the largest M, and the project's default outer step
-(lr 1, momentum 0: parameter averaging) for every M > 1, with AdamW and with Muon inner, and overlapped at the
+(lr 1, momentum 0: parameter averaging) for every M > 1 and H, with Muon inner at H = 30, and overlapped at the
 largest M; an H schedule (outer.local_steps_schedule: H = 10 for the first 60 steps, then 30) at the largest M
 with both outer steps (--outer LR,MOM ... adds rows with other outer steps at H = 30 for every M).
 The inner peak lr was tuned for DP on seed 0: AdamW 1.6e-2 (of 6e-3, 9e-3, 1.2e-2, 1.6e-2, 2.4e-2), Muon 0.05 (of
-0.02, 0.05, 0.1).
+0.02, 0.05, 0.1). --lrs runs every AdamW row (DP included) at each given inner lr and reports each row at the lr
+with its lowest mean loss over the seeds, compared with DP at its own best lr; --only REGEX keeps the rows whose
+name matches (and DP).
 
 Each row: mean eval loss over the seeds, the per-seed values, the change against DP of the same seed (mean over
 seeds) and the paper's figure at 35M parameters on C4 (H = 30) for that M. Writes bench/results/scaling.json,
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -100,8 +105,8 @@ def rows(args) -> list[dict]:
                     "mom": 0.9, "sets": [f"outer.overlap={rule}", "outer.overlap_steps=30"], "paper": None})
     out.append({"name": f"DiLoCo M={big} H=30, delayed, fold after 6", "M": big, "H": 30, "lr": OUTER_LR[big],
                 "mom": 0.9, "sets": ["outer.overlap=delayed", "outer.overlap_steps=6"], "paper": None})
-    out += [{"name": f"DiLoCo M={M} H=30, averaging (lr 1, mom 0: project default)", "M": M, "H": 30, "lr": 1.0,
-             "mom": 0.0, "sets": [], "paper": None} for M in args.M if M > 1]  # averaging with M = 1 is DP
+    out += [{"name": f"DiLoCo M={M} H={H}, averaging (lr 1, mom 0: project default)", "M": M, "H": H, "lr": 1.0,
+             "mom": 0.0, "sets": [], "paper": None} for H in args.H for M in args.M if M > 1]  # M = 1: it is DP
     out += [{"name": f"MuLoCo M={M} H=30, averaging", "M": M, "H": 30, "lr": 1.0, "mom": 0.0,
              "sets": ["inner.optimizer=muon"], "paper": None} for M in args.M if M > 1]
     if big > 1:  # ... and with averaging, AdamW and Muon inner
@@ -121,7 +126,21 @@ def rows(args) -> list[dict]:
     for lr, mom in (map(float, o.split(",")) for o in args.outer):
         out += [{"name": f"DiLoCo M={M} H=30, outer lr {lr} mom {mom}", "M": M, "H": 30, "lr": lr, "mom": mom,
                  "sets": [], "paper": None} for M in args.M if (lr, mom) != (1.0, 0.0)]
-    return out
+    if args.only:  # DP stays: every row is compared with it
+        out = [out[0]] + [r for r in out[1:] if re.search(args.only, r["name"])]
+    # every AdamW row at every inner lr of --lrs (the paper tunes the inner lr of each configuration); Muon rows
+    # keep --muon-lr
+    return [dict(r, inner_lr=lr) for r in out
+            for lr in ([args.lr] if "inner.optimizer=muon" in r["sets"] else args.lrs)]
+
+
+def tuned(plan: list[dict]) -> list[dict]:
+    """Of the rows run at several inner lrs, the one with the lowest mean eval loss per name (first-seen order)."""
+    best: dict[str, dict] = {}
+    for r in plan:
+        if r["name"] not in best or r["mean"] < best[r["name"]]["mean"]:
+            best[r["name"]] = r
+    return list(best.values())
 
 
 def overrides(args, row: dict, seed: int) -> list[str]:
@@ -131,7 +150,8 @@ def overrides(args, row: dict, seed: int) -> list[str]:
         raise SystemExit(f"{row['name']}: --steps {T} must be a multiple of H and --batch {args.batch} of M")
     b = args.batch // M
     sets = [f"seed={seed}", f"model.name={args.model}", f"data.seq_length={args.seq}", "data.eval_fraction=0.05",
-            f"inner.lr={args.lr}", f"inner.muon_lr={args.muon_lr}", "inner.beta1=0.9", "inner.beta2=0.99",
+            f"inner.lr={row.get('inner_lr', args.lr)}", f"inner.muon_lr={args.muon_lr}", "inner.beta1=0.9",
+            "inner.beta2=0.99",
             f"inner.warmup_steps={max(1, T // 20)}", f"inner.total_steps={T}", "inner.min_lr_ratio=0.05",
             "inner.weight_decay_mode=inverse_steps", "inner.grad_clip=1.0", "inner.reset_state=false",
             f"inner.per_device_batch_size={b}", f"inner.total_batch_size={b}",
@@ -161,8 +181,8 @@ def plot(res: list[dict], path: Path) -> None:
             series.setdefault("MuLoCo H=30, averaging", []).append(r)
         elif r["name"].startswith("MuLoCo"):
             series.setdefault("MuLoCo H=30", []).append(r)
-        elif "averaging" in r["name"]:
-            series.setdefault("DiLoCo H=30, averaging (project default)", []).append(r)
+        elif "averaging (lr 1" in r["name"]:
+            series.setdefault(f"DiLoCo H={r['H']}, averaging (project default)", []).append(r)
     for label, rs in series.items():
         xs, ys = [r["M"] for r in rs], [r["mean"] for r in rs]
         err = [[r["mean"] - min(r["losses"]) for r in rs], [max(r["losses"]) - r["mean"] for r in rs]]
@@ -190,6 +210,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=24, help="global batch in windows (DiLoCo: batch / M per worker)")
     ap.add_argument("--seq", type=int, default=144)
     ap.add_argument("--lr", type=float, default=1.6e-2, help="inner AdamW peak lr")
+    ap.add_argument("--lrs", type=float, nargs="+", metavar="LR",
+                    help="run every AdamW row at each of these inner peak lrs and report each row at its best "
+                         "(DP included; default: --lr alone)")
+    ap.add_argument("--only", metavar="REGEX", help="only the rows whose name matches (DP is always run)")
     ap.add_argument("--muon-lr", type=float, default=0.05)
     ap.add_argument("--eval-batches", type=int, default=12, help="held-out batches of 32 windows")
     ap.add_argument("--model", default="configs/scaling-llama.json")
@@ -207,6 +231,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.steps, args.seeds, args.M, args.H, args.out = 60, [0], [1, 4], [10, 30], args.out + "-quick"
+    args.lrs = args.lrs or [args.lr]
 
     total, emb = params(args.model)
     plan = rows(args)
@@ -243,50 +268,71 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     wall = time.perf_counter() - t0
-    missing = [row["name"] for row in plan if len(row["runs"]) < len(args.seeds)]
-    plan = [row for row in plan if row["name"] not in missing]
+    missing = [row for row in plan if len(row["runs"]) < len(args.seeds)]
+    plan = [row for row in plan if row not in missing]
     reused = sum(1 for row in plan for seed in args.seeds if " ".join(overrides(args, row, seed)) in before)
     run_s = sum(r["seconds"] for row in plan for r in row["runs"].values())
 
-    dp = {s: v["eval_loss"] for s, v in plan[0]["runs"].items()}
     for row in plan:
         row["losses"] = [row["runs"][s]["eval_loss"] for s in args.seeds]
         row["mean"] = statistics.mean(row["losses"])
+    best = tuned(plan)
+    dp_row = best[0]  # DP at its best inner lr: the baseline of every row
+    dp = {s: v["eval_loss"] for s, v in dp_row["runs"].items()}
+    for row in plan:
         row["vs_dp"] = [(row["runs"][s]["eval_loss"] / dp[s] - 1) * 100 for s in args.seeds]
         row["vs_dp_mean"] = statistics.mean(row["vs_dp"])
-    tokens = plan[0]["runs"][args.seeds[0]]["tokens"]
-    corpus = plan[0]["runs"][args.seeds[0]]["corpus_tokens"]
+    tokens = dp_row["runs"][args.seeds[0]]["tokens"]
+    corpus = dp_row["runs"][args.seeds[0]]["corpus_tokens"]
     n_eval = int(corpus * 0.05)
     n_train = corpus - n_eval
-    header = ["run", "M", "H", "outer lr / mom", "eval loss", "per seed", "vs DP (per seed)", "vs DP", "paper"]
-    body = [[r["name"], r["M"] or "-", r["H"] if r["M"] else "-", f"{r['lr']} / {r['mom']}", f"{r['mean']:.4f}",
-             " ".join(f"{x:.4f}" for x in r["losses"]), " ".join(f"{x:+.2f}%" for x in r["vs_dp"]),
-             f"{r['vs_dp_mean']:+.2f}%" if r is not plan[0] else "—",
-             f"{r['paper']:+.1f}%" if r["paper"] is not None else ""] for r in plan]
+    sweep = len(args.lrs) > 1
+    header = ["run", "M", "H", "outer lr / mom", *(["inner lr"] if sweep else []), "eval loss", "per seed",
+              "vs DP (per seed)", "vs DP", "paper"]
+
+    def line(r: dict) -> list:
+        muon = "inner.optimizer=muon" in r["sets"]
+        lr = [f"muon {args.muon_lr:g}" if muon else f"{r['inner_lr']:g}"] if sweep else []
+        return [r["name"], r["M"] or "-", r["H"] if r["M"] else "-", f"{r['lr']} / {r['mom']}", *lr,
+                f"{r['mean']:.4f}", " ".join(f"{x:.4f}" for x in r["losses"]),
+                " ".join(f"{x:+.2f}%" for x in r["vs_dp"]), f"{r['vs_dp_mean']:+.2f}%" if r is not dp_row else "—",
+                f"{r['paper']:+.1f}%" if r["paper"] is not None else ""]
+
+    body = [line(r) for r in best]
+    every = [line(r) for r in plan] if sweep else []
     checks = []
+    adamw = [r for r in best if r["M"] and r["H"] == 30 and "inner.optimizer=muon" not in r["sets"]]
     for M, limit in ((1, 0.0), (2, 0.7), (4, 2.0)):
-        r = next((r for r in plan if r["name"] == f"DiLoCo M={M} H=30"), None)
-        if r:
-            checks.append(f"DiLoCo M={M} H=30 vs DP {r['vs_dp_mean']:+.2f}% (target <= {limit:+.1f}%): "
+        for r in [r for r in adamw if r["name"] == f"DiLoCo M={M} H=30"] + \
+                 sorted((r for r in adamw if r["M"] == M and r["name"] != f"DiLoCo M={M} H=30"),
+                        key=lambda r: r["mean"])[:1]:
+            checks.append(f"{r['name']} vs DP {r['vs_dp_mean']:+.2f}% (target <= {limit:+.1f}%): "
                           f"{'met' if r['vs_dp_mean'] <= limit else 'not met'}")
-    better = [r["name"] for r in plan if r["M"] in PAPER and r["vs_dp_mean"] < PAPER[r["M"]]]
+    better = [r["name"] for r in best if r["M"] in PAPER and r["vs_dp_mean"] < PAPER[r["M"]]]
     checks.append("better than the paper's figure for its M: " + (", ".join(better) or "none"))
     if missing:
-        checks.append("not run (--report): " + ", ".join(missing))
+        checks.append("not run (--report): " + ", ".join(sorted({r["name"] for r in missing})))
     summary = (f"{args.model}: {total:,} parameters ({total - emb:,} without the embedding); T = {args.steps} steps "
                f"x {args.batch} x {args.seq} tokens = {tokens / 1e6:.3f}M tokens = {tokens / (total - emb):.1f} "
                f"per non-embedding parameter ({tokens / total:.1f} per parameter), {tokens / n_train:.2f} epochs of "
                f"{n_train / 1e6:.3f}M training tokens; eval on {args.eval_batches * 32} held-out windows; "
                f"seeds {' '.join(map(str, args.seeds))}; the runs took {run_s / 60:.0f} min summed; "
                f"this invocation {wall / 60:.1f} min wall ({reused} runs reused from {cache_path.name})")
-    md = "\n".join([summary, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                    *["| " + " | ".join(str(c) for c in b) + " |" for b in body], "", *[f"- {c}" for c in checks]])
-    print("\n" + summary + "\n" + table(body, header) + "\n\n" + "\n".join(checks))
+    def md_table(b: list[list]) -> list[str]:
+        return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                *["| " + " | ".join(str(c) for c in x) + " |" for x in b]]
+
+    title = "each row at its best inner lr (of " + ", ".join(f"{x:g}" for x in args.lrs) + "):" if sweep else ""
+    md = "\n".join([summary, "", *([title, ""] if sweep else []), *md_table(body),
+                     *(["", "every run:", "", *md_table(every)] if sweep else []), "", *[f"- {c}" for c in checks]])
+    print("\n" + summary + "\n" + (title + "\n" if sweep else "") + table(body, header)
+          + ("\n\nevery run:\n" + table(every, header) if sweep else "") + "\n\n" + "\n".join(checks))
     (RESULTS / f"{args.out}.md").write_text(md + "\n")
-    plot(plan, RESULTS / f"{args.out}.png")
+    plot(best, RESULTS / f"{args.out}.png")
     save_result(args.out, {"args": vars(args), "params": total, "embedding_params": emb, "tokens": tokens,
                            "train_tokens": n_train, "eval_tokens": n_eval, "wall_s": wall, "run_s": run_s,
-                           "reused": reused, "checks": checks, "rows": plan})
+                           "reused": reused, "checks": checks, "rows": plan,
+                           "best": [r["name"] + f" @ {r['inner_lr']:g}" for r in best]})
 
 
 if __name__ == "__main__":

@@ -120,10 +120,11 @@ def main() -> None:
                 m["fold_steps"] = fold_steps(base / project)
                 m["seconds"] = time.perf_counter() - t0
                 results[name] = m
+                rest = m["idle_per_round_s"] - m["load_per_round_s"] - m["handoff_per_round_s"]
                 print(f"  {name}: utilisation {m['utilisation'] * 100:.1f}%, idle {m['idle_per_round_s']:.2f} s "
                       f"per round, of which loading / folding θ {m['load_per_round_s']:.2f} s, waiting for the "
-                      f"previous publication {m['handoff_per_round_s']:.2f} s ({m['seconds']:.0f} s)",
-                      flush=True)
+                      f"previous publication {m['handoff_per_round_s']:.2f} s, the rest (hand-off and bookkeeping "
+                      f"between two segments) {rest:.3f} s ({m['seconds']:.0f} s)", flush=True)
             sync = results[f"{codec}/{args.overlaps[0]}"]
             for spec in args.overlaps:
                 m = results[f"{codec}/{spec}"]

@@ -130,3 +130,36 @@ def test_run_main_contract(capsys, monkeypatch):
     with pytest.raises(SystemExit) as ei:
         run_main(lost_peer, "t")
     assert ei.value.code == 1
+
+
+@pytest.mark.parametrize("ending", ["exit", "error", "bug"])
+def test_background_log_writer_writes_every_line_before_the_process_ends(tmp_path, ending):
+    """Workers log through a queue and a writer thread (their stderr is a log file on the shared disk): every line
+    logged before the end is written, and before a traceback."""
+    script = tmp_path / "w.py"
+    script.write_text(f"""
+import logging, sys
+sys.path.insert(0, {str(REPO)!r})
+from train.core.errors import ConfigError, run_main
+
+def main():
+    log = logging.getLogger("w")
+    for i in range(2000):
+        log.info("line %d", i)
+    if {ending!r} == "error":
+        raise ConfigError("evolution.json: outer.lr: bad")
+    if {ending!r} == "bug":
+        raise KeyError("bug")
+
+run_main(main, "w", background_log=True)
+""")
+    p = run_script(str(script))
+    lines = p.stderr.splitlines()
+    logged = [ln for ln in lines if " w INFO line " in ln]
+    assert [int(ln.rsplit(" ", 1)[1]) for ln in logged] == list(range(2000)), p.stderr[-500:]
+    if ending == "exit":
+        assert p.returncode == 0
+    elif ending == "error":
+        assert p.returncode == 2 and lines[-1].endswith("evolution.json: outer.lr: bad")
+    else:
+        assert p.returncode == 1 and lines.index(logged[-1]) < lines.index("Traceback (most recent call last):")

@@ -170,6 +170,17 @@ def test_committed_rounds_only_counts_rounds_with_a_marker(tmp_path):
     assert paths.round_dir(11).name == "r000011"
 
 
+def test_latest_committed_from_a_hint_probes_only_later_rounds(tmp_path):
+    paths = RunPaths(tmp_path / "run")
+    for r in (3, 4, 5):
+        atomic_write_json(paths.committed(r), {"round": r})
+    assert paths.latest_committed(3) == 5 and paths.latest_committed(5) == 5
+    assert paths.latest_committed(1) == 5  # a pruned (or never committed) hint: every round directory is listed
+    atomic_write_json(paths.committed(6), {"round": 6})
+    assert paths.latest_committed(5) == 6
+    assert RunPaths(tmp_path / "empty").latest_committed(0) is None
+
+
 # -- jsonl -----------------------------------------------------------------------------------------------------------
 def test_read_jsonl_skips_a_torn_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"

@@ -213,3 +213,17 @@ def test_truncated_files_raise(tmp_path):
     path.write_bytes(full[:5])
     with pytest.raises(ValueError, match="too short"):
         read_header(path)
+
+
+def test_iter_tensors_reads_every_byte_now_not_through_the_memory_map(tmp_path):
+    """A tensor read from the shared disk must not alias the file: the prefetch thread reads the bytes (not the
+    training step that first touches them), and a file deleted or rewritten later (a pruned round, on NFS by another
+    host) cannot change it or fault."""
+    f = tmp_path / "t.safetensors"
+    save_file({"a": torch.zeros(1024), "b": torch.arange(8.0)}, str(f))
+    got = dict(iter_tensors(f))
+    with open(f, "r+b") as g:  # rewrite the last bytes of the data in place
+        g.seek(-16, 2)
+        g.write(torch.full((4,), 7.0).numpy().tobytes())
+    f.unlink()
+    assert torch.equal(got["a"], torch.zeros(1024)) and torch.equal(got["b"], torch.arange(8.0))

@@ -64,16 +64,47 @@ def missing_package(package: str, purpose: str, extra: str | None = None) -> Env
     return EnvironmentProblem(f"{purpose} needs the package {package!r}, which is not installed: {how}")
 
 
-def setup_logging(name: str, level: int = logging.INFO) -> logging.Logger:
-    """One stderr handler for the process (the simulator and the launcher send each process's stderr to its log)."""
+def setup_logging(name: str, level: int = logging.INFO, background: bool = False) -> logging.Logger:
+    """One stderr handler for the process (the simulator and the launcher send each process's stderr to its log).
+
+    `background` (the workers): the lines are written by a listener thread, so a training thread never blocks on
+    a log file on a slow shared disk (a worker's stderr is BASE_DIR/logs/worker-NNN.log; on a busy NFS link one
+    small write waits behind the deltas in flight). The queue is flushed at exit."""
     root = logging.getLogger()
     if not any(getattr(h, "_edt", False) for h in root.handlers):
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+        if background:
+            import atexit
+            import queue
+            from logging.handlers import QueueHandler, QueueListener
+
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            global _listener
+            _listener = QueueListener(q, h)
+            _listener.start()
+            atexit.register(flush_logs)
+            h = QueueHandler(q)
         h._edt = True  # type: ignore[attr-defined]
         root.addHandler(h)
         root.setLevel(level)
     return logging.getLogger(name)
+
+
+_listener = None  # the background log writer of setup_logging(background=True)
+
+
+def flush_logs() -> None:
+    """Write every queued line of the background log writer and stop it (later lines go straight to stderr)."""
+    global _listener
+    if _listener is None:
+        return
+    listener, _listener = _listener, None
+    listener.stop()  # drains the queue
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if getattr(h, "_edt", False)]:
+        root.removeHandler(h)
+        root.addHandler(listener.handlers[0])
 
 
 def _is_secondary_rank() -> bool:
@@ -84,7 +115,8 @@ def _is_secondary_rank() -> bool:
         return False
 
 
-def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO) -> None:
+def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO,
+             background_log: bool = False) -> None:
     """Run an entry point's body: a `UserError` prints one line (exit 2), a dead worker exit 1, Ctrl-C exit 130.
 
     An `OSError` naming a path (a `base_dir` under a file, a read-only disk, no space left) is the user's
@@ -92,38 +124,41 @@ def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO)
     reports, and a rank that loses its peers because another rank exited says so in one line.
     """
     secondary = _is_secondary_rank()
-    log = setup_logging(name, logging.ERROR if secondary else level)
+    log = setup_logging(name, logging.ERROR if secondary else level, background_log)
     if secondary:
         import warnings
         warnings.simplefilter("ignore")  # rank 0 prints each warning once for the whole group
     show_tb = os.environ.get("EDT_TRACEBACK", "") not in ("", "0")
-    try:
-        code = fn() or 0
-    except UserError as e:
-        if show_tb:
-            raise
-        if not secondary:
-            log.error("%s", " ".join(str(e).split("\n")))
-        code = EXIT_USER_ERROR
-    except OSError as e:
-        if show_tb or not getattr(e, "filename", None):
-            raise
-        log.error("%s: %s (check that the path exists, is a directory where one is expected, is writable and "
-                  "the disk has space)", e.filename, e.strerror or e)
-        code = EXIT_USER_ERROR
-    except WorkerDied as e:
-        log.error("%s", e)
-        code = EXIT_WORKER_DIED
-    except KeyboardInterrupt:
-        log.warning("interrupted: every child process was stopped; run the same command to resume")
-        code = EXIT_INTERRUPTED
-    except Exception as e:  # noqa: BLE001  (a peer rank's exit is not this rank's bug)
-        if secondary and _is_lost_peer(e):
-            log.error("rank %s: lost its process group (another rank exited; its log has the reason)",
-                      os.environ.get("RANK"))
+    try:  # the background log writer is flushed before a traceback is printed or the process exits
+        try:
+            code = fn() or 0
+        except UserError as e:
+            if show_tb:
+                raise
+            if not secondary:
+                log.error("%s", " ".join(str(e).split("\n")))
+            code = EXIT_USER_ERROR
+        except OSError as e:
+            if show_tb or not getattr(e, "filename", None):
+                raise
+            log.error("%s: %s (check that the path exists, is a directory where one is expected, is writable and "
+                      "the disk has space)", e.filename, e.strerror or e)
+            code = EXIT_USER_ERROR
+        except WorkerDied as e:
+            log.error("%s", e)
             code = EXIT_WORKER_DIED
-        else:
-            raise
+        except KeyboardInterrupt:
+            log.warning("interrupted: every child process was stopped; run the same command to resume")
+            code = EXIT_INTERRUPTED
+        except Exception as e:  # noqa: BLE001  (a peer rank's exit is not this rank's bug)
+            if secondary and _is_lost_peer(e):
+                log.error("rank %s: lost its process group (another rank exited; its log has the reason)",
+                          os.environ.get("RANK"))
+                code = EXIT_WORKER_DIED
+            else:
+                raise
+    finally:
+        flush_logs()
     sys.exit(code)
 
 

@@ -265,7 +265,14 @@ class RunPaths:
                 out.append(int(d.name[1:]))
         return sorted(out)
 
-    def latest_committed(self) -> int | None:
+    def latest_committed(self, hint: int | None = None) -> int | None:
+        """The last committed round. `hint`: a round known to be committed; then only the rounds after it are
+        looked at (a stat each), not every round directory (rounds commit in order and are pruned oldest first)."""
+        if hint is not None and self.committed(hint).is_file():
+            r = hint
+            while self.committed(r + 1).is_file():
+                r += 1
+            return r
         rs = self.committed_rounds()
         return rs[-1] if rs else None
 

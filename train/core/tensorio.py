@@ -178,10 +178,14 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], dict[str, str
 
 
 def iter_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time from a safetensors file (memory-mapped)."""
+    """Yield (name, tensor) one at a time from a safetensors file, each read in full here.
+
+    safetensors' `get_tensor` returns a tensor backed by the file's memory map: its bytes would be read later, on
+    whatever thread first touches them (a training step, not the prefetch thread), and on NFS a file another host
+    deletes (a pruned round) turns that access into SIGBUS. So every tensor is copied out of the map at once."""
     with safe_open(str(path), framework="pt") as f:
         for name in (names if names is not None else f.keys()):
-            yield name, f.get_tensor(name)
+            yield name, f.get_tensor(name).clone()
 
 
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:

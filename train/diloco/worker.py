@@ -135,6 +135,8 @@ class Worker:
         self._prefetch_round: int | None = None
         self._prefetched: int | None = None  # the round the prefetch thread has brought θ to (no file check needed)
         self.trained = -1  # the last round this process trained (its publication may still be in flight)
+        self._latest: int | None = None  # the last committed round seen (later lookups start from it)
+        self._layout_cache: tuple | None = None  # ((inode, mtime, size) of layout.json, its Layout)
         self.io = {"read": 0, "written": 0}  # BASE_DIR bytes of the current round (into the next sidecar)
         self._io_lock = threading.Lock()
         self.restore_state()
@@ -283,7 +285,7 @@ class Worker:
         """Rank 0 (or the only process): follow the committed rounds; in a group, tell the others each round."""
         rounds = self.cfg.outer.rounds
         while True:
-            r = self.paths.latest_committed()
+            r = self._latest = self.paths.latest_committed(self._latest)
             if r >= rounds:
                 self.pub.join()
                 self.prefetch.cancel()
@@ -327,12 +329,25 @@ class Worker:
         except OSError:
             return False
 
+    def layout(self) -> Layout | None:
+        """The data layout, read again only when the file changed (the coordinator replaces it atomically): a
+        segment boundary costs a stat, not a read that waits behind the deltas in flight on a busy link."""
+        f = Layout.path(self.paths)
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if self._layout_cache is None or self._layout_cache[0] != key:
+            self._layout_cache = (key, Layout.load(self.paths))
+        return self._layout_cache[1]
+
     def find_slot(self, latest: int) -> str:
         """"train" when we have a slot in the next round we would train; "wait" while we ask to join (a new worker)
         or wait for the round a new segment gives us; "leave" when the run no longer has a slot for us."""
         f = Layout.path(self.paths)
         self._layout_seen = f.stat().st_mtime_ns if f.is_file() else None
-        lay = Layout.load(self.paths)
+        lay = self.layout()
         if lay is None:
             raise ProtocolError(f"{f} is missing: the coordinator writes it before round 0 (an older coordinator?)")
         nxt = max(latest, self.state["round_done"] + 1, self.trained + 1)
@@ -382,9 +397,10 @@ class Worker:
             return latest if latest >= k else None
         return k if latest >= k - 1 else None
 
-    def load_global(self, r: int) -> dict[str, torch.Tensor]:
+    def load_global(self, r: int, into_model: bool = True) -> dict[str, torch.Tensor]:
         """θ_r into the model (rank 0 brings its copy to round r — the full file without compression, else the
-        logged updates — and the other ranks get it by broadcast); returns rank 0's float32 CPU copy of θ_r."""
+        logged updates — and the other ranks get it by broadcast); returns rank 0's float32 CPU copy of θ_r.
+        `into_model` False (one process only): just the copy; the caller sets the parameters."""
         theta: dict[str, torch.Tensor] = {}
         if self.dist.main:
             self.finish_prefetch(r)
@@ -395,7 +411,8 @@ class Worker:
                 raise ProtocolError(f"round {r}: tensors {sorted(set(theta) ^ set(self.trainer.params))[:5]} of the "
                                     f"global model do not match the model's parameters")
         if not self.dist.enabled:
-            self.theta.load_into(self.trainer.model)
+            if into_model:
+                self.theta.load_into(self.trainer.model)
             return theta
         with torch.no_grad():
             for name, p in self.trainer.params.items():
@@ -413,7 +430,7 @@ class Worker:
         if self.overlap and r > 0 and self.progress is not None:
             # overlap: this segment starts from θ_{r−1} + our progress over segment r−1 (delayed), or + that
             # progress at the weight the outer step gives it, γ = η (1 + μ) / M (eager; docs/overlap.md)
-            theta = self.load_global(r - 1)
+            theta = self.load_global(r - 1, into_model=False)  # the parameters are set to theta_r below
             gain = self.eager_gain(r - 1) if self.eager else 1.0
             theta_r = {n: theta[n].add(self.progress[n], alpha=gain) for n in self.theta.names}
             params = self.trainer.params
@@ -542,7 +559,7 @@ class Worker:
         """γ of round r's outer step (train/core/outer.py eager_gain), with the workers the layout gives round r."""
         from train.core.outer import eager_gain
 
-        lay = Layout.load(self.paths)
+        lay = self.layout()
         return eager_gain(r, self.cfg.outer, lay.slots(r) if lay is not None else self.cfg.outer.num_workers)
 
     def finish_round(self, r: int, file: dict, meta: dict, data: dict, position: int, extra: dict) -> None:
@@ -601,7 +618,7 @@ class Worker:
         """Our slice of round r's data: {segment, offset, windows} (rank 0 reads the layout; the group shares it)."""
         out = None
         if self.dist.main:
-            lay = Layout.load(self.paths)
+            lay = self.layout()
             if lay is None:
                 raise ProtocolError(f"{Layout.path(self.paths)} is missing (the coordinator writes it at round 0)")
             offset, windows = lay.slice(r, self.w)
@@ -644,4 +661,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from train.core.errors import run_main
-    run_main(main, "worker")
+    run_main(main, "worker", background_log=True)

@@ -1,0 +1,45 @@
+"""bench/scaling.py's plan: which runs an invocation makes (the study itself is a benchmark, not a test)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import scaling  # noqa: E402
+
+
+def args(**kw) -> argparse.Namespace:
+    base = dict(M=[1, 2, 4], H=[10, 30, 100], steps=300, batch=24, seq=144, lr=1.6e-2, lrs=[1.6e-2], muon_lr=0.05,
+                eval_batches=12, model="configs/scaling-llama.json", device="", set=[], outer=[], core_only=False,
+                only=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_lrs_run_every_adamw_row_at_each_lr_and_muon_rows_once():
+    plan = scaling.rows(args(lrs=[0.012, 0.016], only=r"averaging \(lr|Mu"))
+    names = [(r["name"], r["inner_lr"]) for r in plan]
+    assert names[:2] == [("DP", 0.012), ("DP", 0.016)]  # DP always, at every lr
+    avg = [n for n in names if "averaging (lr 1" in n[0]]
+    assert len(avg) == 2 * 2 * 3  # M 2, 4 x H 10, 30, 100 x 2 lrs
+    muon = [n for n in names if n[0].startswith(("MuLoCo", "DP, Muon"))]
+    assert muon and all(lr == 0.016 for _, lr in muon)  # Muon rows keep --muon-lr (and --lr in their key)
+    sets = scaling.overrides(args(), plan[0], seed=1)
+    assert "inner.lr=0.012" in sets and "seed=1" in sets
+
+
+def test_tuned_keeps_each_rows_best_lr_in_order():
+    plan = [{"name": "DP", "mean": 5.0}, {"name": "DP", "mean": 4.9}, {"name": "A", "mean": 4.8},
+            {"name": "A", "mean": 4.85}]
+    best = scaling.tuned(plan)
+    assert [(r["name"], r["mean"]) for r in best] == [("DP", 4.9), ("A", 4.8)]
+
+
+def test_a_plan_without_lrs_keeps_the_recorded_run_keys():
+    """Runs recorded before --lrs existed are found again: the key of a row at --lr is unchanged."""
+    plan = scaling.rows(args(H=[30], M=[4]))
+    row = next(r for r in plan if r["name"] == "DiLoCo M=4 H=30")
+    sets = scaling.overrides(args(H=[30], M=[4]), row, seed=0)
+    assert "inner.lr=0.016" in sets and "outer.lr=0.6" in sets and "outer.local_steps=30" in sets
