@@ -59,4 +59,5 @@ def test_h_schedule_run_killed_at_random_moments_resumes_and_reads_no_window_twi
         for offset, read in recs[r + 1]["data"].values():
             assert read == h * batch
             windows += range(offset, offset + read)
-    assert len(windows) == len(set(windows)) == sum(H) * 2 * batch
+    why = {r: (rec.get("missing_why"), rec.get("late")) for r, rec in recs.items() if rec.get("missing_why")}
+    assert len(windows) == len(set(windows)) == sum(H) * 2 * batch, why  # a round closed without a worker: why

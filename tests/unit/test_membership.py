@@ -221,6 +221,48 @@ def test_straggler_deadline_after_a_quorum_with_dead_after_s_as_floor(paths):
     assert m.deadline_s() is None and not tick(1000, {0, 1}).close
 
 
+def test_the_straggler_deadline_never_leaves_a_restarted_worker_behind_before_its_startup_grace(paths):
+    """A worker SIGKILLed and restarted mid-run (or a run resumed with a delta already in) imports torch, reads the
+    data and loads θ before it can train: it gets dead_after_s + startup_grace_s from its new process's first beat,
+    like a worker that has not beaten at all, before the straggler rule may close the round without it."""
+    clock = Clock()
+    beats = [hb(paths, w) for w in range(2)]
+    for b in beats:
+        b.beat(force=True, status="training")
+    m = Membership(paths, 2, outer(num_workers=2, dead_after_s=10, startup_grace_s=120, straggler_factor=3.0),
+                   clock)
+    m.history = [1.0]  # fast rounds: deadline 10 s (the dead_after_s floor)
+    assert m.deadline_s() == 10.0
+    assert not m.poll({0}).close
+    beats[1] = hb(paths, 1)  # a new process of worker 1 (its lease id changes)
+    clock.t += 5
+    beats[1].beat(force=True, status="waiting for round 0")
+    assert not m.poll({0}).close  # first seen at t0 + 5
+    for dt in (5.0, 50.0, 74.9):
+        clock.t += dt
+        beats[0].beat(force=True, status="waiting for the outer step")
+        beats[1].beat(force=True, status="training")
+        d = m.poll({0})
+        assert not d.close and d.waiting == [1], d.why
+    assert "(re)started 129.9 s ago" in d.why and "dead_after_s + startup_grace_s = 130 s" in d.why
+    clock.t += 0.1
+    beats[1].beat(force=True, status="training")
+    d = m.poll({0})
+    assert d.close and d.late[1].startswith("straggler: past the deadline of 10.0 s")
+    m.record_round()
+    clock.t += 1
+    assert m.poll({0, 1}).close  # it arrived: the next round is a normal one
+    m.record_round()
+    for straggler in (0, 1):  # worker 0: the process beating since before we started; worker 1: the restarted
+        assert not m.poll({1 - straggler}).close  # one, which delivered a delta since: the deadline applies as before
+        clock.t += 10
+        beats[0].beat(force=True, status="training")
+        beats[1].beat(force=True, status="training")
+        late = m.poll({1 - straggler}).late
+        assert list(late) == [straggler] and late[straggler].startswith("straggler: past the deadline of 10.0 s")
+        m.record_round()
+
+
 def test_round_timeout_is_the_cap_and_min_workers_the_floor(paths):
     clock = Clock()
     beats = [hb(paths, w) for w in range(3)]

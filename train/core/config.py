@@ -219,7 +219,9 @@ class OuterConfig:
                                         "torch, read the data and load the model first).")
     straggler_factor: float = doc(3.0, "Once a quorum (max(min_workers, half the workers)) arrived, wait at most "
                                        "this x the median recent time-to-quorum (never less than dead_after_s) for "
-                                       "the rest; 0 = off (wait for every live worker).")
+                                       "the rest (a worker whose process (re)started less than dead_after_s + "
+                                       "startup_grace_s ago and has delivered no delta yet is waited for that "
+                                       "long); 0 = off (wait for every live worker).")
     max_restarts: int = doc(3, "Restarts of a worker process that dies (simulators and the launcher's hosts; "
                                "backoff 1 s, 2 s, 4 s, ...); the simulators' --max-restarts overrides it.")
     poll_interval_s: float = doc(0.2, "How often processes look at BASE_DIR for new files.")

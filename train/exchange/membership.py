@@ -28,7 +28,9 @@ A round closes (`Decision.close`), first rule that holds:
   1. every live worker (alive or starting) has arrived and at least `outer.min_workers` deltas are in;
   2. straggler deadline (`outer.straggler_factor` > 0, and a recorded round): a quorum of max(min_workers,
      ceil(num_workers / 2)) deltas is in and the round has waited max(straggler_factor x median time-to-quorum of
-     the last 10 rounds, dead_after_s) — never giving up on a live worker sooner than on a silent one;
+     the last 10 rounds, dead_after_s) — never giving up on a live worker sooner than on a silent one: a worker
+     still starting, or whose process (re)started less than dead_after_s + startup_grace_s ago and has not
+     delivered a delta yet, holds the round open (it imports torch, reads the data and loads θ before it trains);
   3. `outer.round_timeout_s` passed and at least min_workers deltas are in (the absolute cap, as before).
 With fewer than min_workers deltas it keeps waiting (for restarts) and says so in `why`.
 
@@ -80,6 +82,9 @@ class _Lease:
     changed: float = 0.0           # our clock when key last changed (or when we started)
     current: bool = False          # changed since we started: written by a process of this run's present
     record: dict | None = None
+    born: float = -math.inf        # our clock when its present lease id (process) was first seen changing; -inf
+    #                                for the process already beating when we started
+    proven: bool = False           # that process has delivered a delta (its start-up is behind it)
 
 
 class Membership:
@@ -125,13 +130,15 @@ class Membership:
             if rec is not None:
                 ls.record = rec
             if key is not None and key != ls.key:
+                if ls.key is None or key[0] != ls.key[0]:
+                    ls.born, ls.proven = now, False  # a new process of this worker (started, restarted)
                 ls.key, ls.changed, ls.current = key, now, True
         for w in range(self.join_from, self.join_from + MAX_JOIN):
             rec = self._read(w)
             if rec is None or rec.get("status") != "joining":
                 self._joining.pop(w, None)
                 continue
-            ls = self._joining.setdefault(w, _Lease(key=_key(rec), changed=now))
+            ls = self._joining.setdefault(w, _Lease(key=_key(rec), changed=now, born=now))
             if _key(rec) != ls.key:
                 ls.key, ls.changed, ls.current = _key(rec), now, True
             ls.record = rec
@@ -156,7 +163,7 @@ class Membership:
         for w in range(self.n, n):
             joined = self._joining.pop(w, None)
             rec = self._read(w)
-            self.leases[w] = joined or _Lease(key=_key(rec), changed=now, record=rec)
+            self.leases[w] = joined or _Lease(key=_key(rec), changed=now, record=rec, born=now)
         for w in range(n, self.n):
             self.leases.pop(w, None)
         self.n = n
@@ -218,6 +225,9 @@ class Membership:
             self._round_t0 = now
         elapsed = self._elapsed = now - self._round_t0
         arrived = {w for w in arrived if w in self.leases}
+        for w in arrived:
+            if self.leases[w].current:
+                self.leases[w].proven = True
         n_in, oc = len(arrived), self.outer
         if self._quorum_s is None and n_in >= self.quorum:
             self._quorum_s = elapsed
@@ -235,7 +245,8 @@ class Membership:
         if not live and enough:
             d.close, d.waiting = True, []
             d.why = f"every live worker arrived ({n_in} of {self.n})"
-        elif deadline is not None and n_in >= self.quorum and elapsed >= deadline:
+        elif deadline is not None and n_in >= self.quorum and elapsed >= deadline and \
+                not (young := self._young(live, now)):
             med = statistics.median(self.history[-HISTORY:])
             d.late = {w: f"straggler: past the deadline of {deadline:.1f} s = {float(oc.straggler_factor):g} x "
                          f"median recent round ({med:.1f} s)" + (" (floor: dead_after_s)" if deadline ==
@@ -248,12 +259,25 @@ class Membership:
             d.missing.update(d.late)
             d.close, d.waiting = True, []
             d.why = f"round_timeout_s = {oc.round_timeout_s:g} passed with {n_in} of {self.n}"
+        elif deadline is not None and n_in >= self.quorum and elapsed >= deadline:
+            d.why = f"straggler deadline {deadline:.1f} s passed with {n_in} of {self.n}, but worker(s) " \
+                    f"{sorted(young)} (re)started {min(now - self.leases[w].born for w in young):.1f} s ago: " \
+                    f"waiting up to dead_after_s + startup_grace_s = {self.dead_after_s + self.startup_grace_s:g} " \
+                    f"s from a process's start before leaving it behind"
         elif not live:
             d.why = f"only {n_in} of {self.n} in and no other live worker (min_workers = {oc.min_workers}): " \
                     f"waiting for workers to come back"
         else:
             d.why = f"waiting for {len(live)} live worker(s) {live} ({n_in} of {self.n} in)"
         return d
+
+    def _young(self, live: list[int], now: float) -> list[int]:
+        """Live workers the straggler rule may not leave behind yet: still starting, or their process (re)started
+        less than dead_after_s + startup_grace_s ago and has not delivered a delta since (it imports torch, reads
+        the data, loads θ first) — never sooner than a worker that has not beaten at all."""
+        limit = self.dead_after_s + self.startup_grace_s
+        return [w for w in live if not self.leases[w].current or
+                (not self.leases[w].proven and now - self.leases[w].born < limit)]
 
     def record_round(self, seconds: float | None = None) -> None:
         """The round is over. Its time-to-quorum (as poll measured it; the whole wait when the quorum never came)
