@@ -1,6 +1,7 @@
 """Shared benchmark helpers: timing, page-cache control, results files."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -36,6 +37,20 @@ def fold_summary(steps: list[int], H: int) -> str:
     if not steps:
         return "-"
     return f"after {statistics.median(steps):g} of {H} (median; {min(steps)}-{max(steps)})"
+
+
+CODE_FILES = ("train/**/*.py", "diloco.py", "diloco_sim.py", "edt.py", "edt_sim.py", "configs/*.json",
+              "data/tokenizer/*.json", "data/corpus/*.txt")
+
+
+def code_fingerprint() -> str:
+    """12 hex digits of sha256 over what decides a training run's numbers: the training code, the model configs,
+    the tokenizer and the corpus (not the docs, the tests or the benches). Cached results carry it, so a change to
+    the code never mixes old runs with new ones in one table."""
+    h = hashlib.sha256()
+    for f in sorted({f for pattern in CODE_FILES for f in REPO.glob(pattern) if f.is_file()}):
+        h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def drop_caches() -> bool:

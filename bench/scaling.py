@@ -37,7 +37,9 @@ name matches (and DP).
 Each row: mean eval loss over the seeds, the per-seed values, the change against DP of the same seed (mean over
 seeds) and the paper's figure at 35M parameters on C4 (H = 30) for that M. Writes bench/results/scaling.json,
 scaling.md (the table) and scaling.png (eval loss against M per H, DP as a line). Each finished run is appended to
-bench/results/scaling-runs.jsonl, keyed by its overrides; a rerun reuses those (--fresh: run everything again).
+bench/results/scaling-runs.jsonl, keyed by its overrides and the fingerprint of the training code, model configs,
+tokenizer and corpus (bench/common.code_fingerprint); a rerun reuses those of the same code (--fresh: run everything
+again), so a table never mixes runs of different code.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import REPO, RESULTS, save_result, table
+from common import REPO, RESULTS, code_fingerprint, save_result, table
 
 PAPER = {1: -0.1, 2: 0.7, 4: 2.0, 8: 3.9}  # DiLoCo vs DP at 35M parameters, C4, H = 30, % of eval loss
 OUTER_LR = {1: 0.4, 2: 0.6, 4: 0.6, 8: 0.8}  # the paper's best constant outer lr per M
@@ -238,7 +240,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="edt-scaling-"))
     t0 = time.perf_counter()
 
-    cache_path, lock = RESULTS / f"{args.out}-runs.jsonl", threading.Lock()
+    cache_path, lock, code = RESULTS / f"{args.out}-runs.jsonl", threading.Lock(), code_fingerprint()
     cache = {} if args.fresh or not cache_path.exists() else \
         {(e := json.loads(line))["key"]: e["result"] for line in cache_path.read_text().splitlines()}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -248,7 +250,7 @@ def main() -> None:
         i, seed = job
         row = plan[i]
         sets = overrides(args, row, seed)
-        key = " ".join(sets)
+        key = " ".join(sets) + f" code={code}"
         if key not in cache and args.report:
             return
         if key not in cache:
@@ -270,7 +272,8 @@ def main() -> None:
     wall = time.perf_counter() - t0
     missing = [row for row in plan if len(row["runs"]) < len(args.seeds)]
     plan = [row for row in plan if row not in missing]
-    reused = sum(1 for row in plan for seed in args.seeds if " ".join(overrides(args, row, seed)) in before)
+    reused = sum(1 for row in plan for seed in args.seeds if " ".join(overrides(args, row, seed)) + f" code={code}"
+                 in before)
     run_s = sum(r["seconds"] for row in plan for r in row["runs"].values())
 
     for row in plan:
@@ -317,7 +320,7 @@ def main() -> None:
                f"per non-embedding parameter ({tokens / total:.1f} per parameter), {tokens / n_train:.2f} epochs of "
                f"{n_train / 1e6:.3f}M training tokens; eval on {args.eval_batches * 32} held-out windows; "
                f"seeds {' '.join(map(str, args.seeds))}; the runs took {run_s / 60:.0f} min summed; "
-               f"this invocation {wall / 60:.1f} min wall ({reused} runs reused from {cache_path.name})")
+               f"this invocation {wall / 60:.1f} min wall ({reused} runs reused from {cache_path.name}); code {code}")
     def md_table(b: list[list]) -> list[str]:
         return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
                 *["| " + " | ".join(str(c) for c in x) + " |" for x in b]]
@@ -331,7 +334,7 @@ def main() -> None:
     plot(best, RESULTS / f"{args.out}.png")
     save_result(args.out, {"args": vars(args), "params": total, "embedding_params": emb, "tokens": tokens,
                            "train_tokens": n_train, "eval_tokens": n_eval, "wall_s": wall, "run_s": run_s,
-                           "reused": reused, "checks": checks, "rows": plan,
+                           "reused": reused, "code": code, "checks": checks, "rows": plan,
                            "best": [r["name"] + f" @ {r['inner_lr']:g}" for r in best]})
 
 

@@ -14,7 +14,8 @@ overlap — to idle time.) Printed for overlap=none, delayed folding at the segm
 the default adaptive fold (at the first step boundary after the worker has read the commit; never waits) in the
 same run, with the ratio of idle times and where in the next segment the workers folded each commit in.
 Targets (issue #14): idle(delayed) <= 5% of idle(none); utilisation >= 97% where none gets <= 80%.
-Needs /dev/fuse, libfuse2 and fusepy for the throttle (otherwise use --mbps 0). Writes bench/results/utilisation.json.
+Needs /dev/fuse, libfuse2 and fusepy for the throttle (`apt-get install fuse libfuse2`, `pip install -e '.[bench]'`;
+otherwise use --mbps 0). Writes bench/results/utilisation.json.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def mount(backing: Path, mnt: Path, mbps: float) -> subprocess.Popen:
         if subprocess.run(["mountpoint", "-q", str(mnt)]).returncode == 0:
             return proc
         if proc.poll() is not None:
-            raise SystemExit(f"throttlefs failed: {proc.stderr.read()[-2000:]} (needs /dev/fuse, libfuse2, fusepy; "
-                             f"or run with --mbps 0)")
+            raise SystemExit(f"throttlefs failed: {proc.stderr.read()[-2000:]} (needs /dev/fuse, libfuse2 and fusepy: "
+                             f"apt-get install fuse libfuse2; pip install -e '.[bench]'; or run with --mbps 0)")
         time.sleep(0.1)
     raise SystemExit("throttlefs did not mount in 10 s")
 

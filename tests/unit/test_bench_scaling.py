@@ -43,3 +43,25 @@ def test_a_plan_without_lrs_keeps_the_recorded_run_keys():
     row = next(r for r in plan if r["name"] == "DiLoCo M=4 H=30")
     sets = scaling.overrides(args(H=[30], M=[4]), row, seed=0)
     assert "inner.lr=0.016" in sets and "outer.lr=0.6" in sets and "outer.local_steps=30" in sets
+
+
+def test_the_cache_key_fingerprints_the_training_code_not_the_docs(tmp_path, monkeypatch):
+    """A cached run is reused only by the same code: the fingerprint moves with train/, the configs, the tokenizer
+    and the corpus, and stays when only the docs, the tests or the benches change."""
+    import common
+
+    for f, text in {"train/core/inner.py": "lr = 1\n", "configs/m.json": "{}", "data/tokenizer/tokenizer.json": "{}",
+                    "data/corpus/a.txt": "to be", "docs/x.md": "a", "tests/t.py": "", "bench/b.py": ""}.items():
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text(text)
+    monkeypatch.setattr(common, "REPO", tmp_path)
+    first = common.code_fingerprint()
+    assert len(first) == 12
+    for f in ("docs/x.md", "tests/t.py", "bench/b.py"):
+        (tmp_path / f).write_text("changed")
+    assert common.code_fingerprint() == first
+    seen = {first}
+    for f in ("train/core/inner.py", "configs/m.json", "data/tokenizer/tokenizer.json", "data/corpus/a.txt"):
+        (tmp_path / f).write_text("changed")
+        assert common.code_fingerprint() not in seen, f
+        seen.add(common.code_fingerprint())
