@@ -14,6 +14,10 @@ overlap — to idle time.) Printed for overlap=none, delayed folding at the segm
 the default adaptive fold (at the first step boundary after the worker has read the commit; never waits) in the
 same run, with the ratio of idle times and where in the next segment the workers folded each commit in.
 Targets (issue #14): idle(delayed) <= 5% of idle(none); utilisation >= 97% where none gets <= 80%.
+Also printed: the bytes a round moves over the shared link (every worker's delta, θ and state snapshot from its
+sidecars' `io`, plus the coordinator's reads and writes) and their time at the cap, against a segment's compute.
+Overlap hides the exchange only while the link time stays below the compute time; when it does not, the bench says
+the run is link-bound (a faster box trains a segment sooner: at 10 MB/s fp32 needs H >= 50 on a 2-core EPYC).
 Needs /dev/fuse, libfuse2 and fusepy for the throttle (`apt-get install fuse libfuse2`, `pip install -e '.[bench]'`;
 otherwise use --mbps 0). Writes bench/results/utilisation.json.
 """
@@ -70,11 +74,24 @@ def measure(run_dir: Path, workers: int, rounds: int) -> dict:
         # of the idle time: loading θ / folding it in (with the wait for it), from the sidecars' load_seconds
         load = sum(s.get("load_seconds", 0.0) for s in sides[1:])
         handoff = sum(s.get("handoff_seconds", 0.0) for s in sides[:-1])  # the wait before the next segment
-        per[w] = {"busy_s": busy, "wall_s": wall, "utilisation": busy / wall,
+        io = sum(s.get("io", {}).get("read", 0) + s.get("io", {}).get("written", 0) for s in sides[1:])
+        per[w] = {"busy_s": busy, "wall_s": wall, "utilisation": busy / wall, "io_per_round": io / (len(sides) - 1),
+                  "busy_per_round_s": busy / len(sides),
                   "idle_per_round_s": (wall - busy) / (len(sides) - 1), "load_per_round_s": load / (len(sides) - 1),
                   "handoff_per_round_s": handoff / (len(sides) - 1)}
-    keys = ("utilisation", "idle_per_round_s", "load_per_round_s", "handoff_per_round_s")
-    return {"workers": per, **{k: statistics.mean(v[k] for v in per.values()) for k in keys}}
+    keys = ("utilisation", "idle_per_round_s", "load_per_round_s", "handoff_per_round_s", "busy_per_round_s")
+    out = {"workers": per, **{k: statistics.mean(v[k] for v in per.values()) for k in keys}}
+    # the shared link's load: every worker's reads and writes of a round (delta, θ, its state snapshot; the
+    # sidecars' `io`) and the coordinator's (metrics.jsonl), rounds 2.. (round 1 also reads the data and θ_0)
+    coord = [r.get("bytes_read", 0) + r.get("bytes_written", 0) for r in _records(run_dir) if r.get("round", 0) > 1]
+    out["link_bytes_per_round"] = sum(v["io_per_round"] for v in per.values()) + \
+        (statistics.mean(coord) if coord else 0.0)
+    return out
+
+
+def _records(run_dir: Path) -> list[dict]:
+    f = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.is_file() else []
 
 
 def main() -> None:
@@ -98,7 +115,7 @@ def main() -> None:
     mnt.mkdir()
     fs = mount(backing, mnt, args.mbps) if args.mbps > 0 else None
     base = mnt if fs else backing
-    results, rows = {}, []
+    results, rows, bound = {}, [], []
     try:
         for codec in args.codecs:
             for spec in args.overlaps:
@@ -122,6 +139,8 @@ def main() -> None:
                 m["seconds"] = time.perf_counter() - t0
                 results[name] = m
                 rest = m["idle_per_round_s"] - m["load_per_round_s"] - m["handoff_per_round_s"]
+                link_s = m["link_bytes_per_round"] / (args.mbps * 1e6) if args.mbps > 0 else 0.0
+                m["link_s_per_round"] = link_s
                 print(f"  {name}: utilisation {m['utilisation'] * 100:.1f}%, idle {m['idle_per_round_s']:.2f} s "
                       f"per round, of which loading / folding θ {m['load_per_round_s']:.2f} s, waiting for the "
                       f"previous publication {m['handoff_per_round_s']:.2f} s, the rest (hand-off and bookkeeping "
@@ -131,7 +150,17 @@ def main() -> None:
                 m = results[f"{codec}/{spec}"]
                 rows.append([codec, spec, f"{m['utilisation'] * 100:.1f}%", f"{m['idle_per_round_s']:.2f} s",
                              f"{m['idle_per_round_s'] / sync['idle_per_round_s'] * 100:.1f}%"
-                             if sync["idle_per_round_s"] > 0 else "-", fold_summary(m["fold_steps"], args.H)])
+                             if sync["idle_per_round_s"] > 0 else "-", fold_summary(m["fold_steps"], args.H),
+                             f"{m['link_bytes_per_round'] / 1e6:.1f} MB" +
+                             (f" = {m['link_s_per_round']:.2f} s" if args.mbps > 0 else ""),
+                             f"{m['busy_per_round_s']:.2f} s"])
+                if spec != args.overlaps[0] and m["link_s_per_round"] > 0.9 * m["busy_per_round_s"]:
+                    bound.append(f"{codec}/{spec}: a round moves {m['link_bytes_per_round'] / 1e6:.1f} MB over the "
+                                 f"{args.mbps:g} MB/s link ({m['link_s_per_round']:.2f} s), about as long as or "
+                                 f"longer than a segment's {m['busy_per_round_s']:.2f} s of compute: the exchange "
+                                 f"is link-bound and no overlap can hide more than the compute time. A larger --H, "
+                                 f"a higher --mbps or a codec shrinks the ratio; outer.state_dir (host-local) takes "
+                                 f"the inner optimizer snapshot (the largest file) off the link.")
     finally:
         if fs:
             unmount(mnt, fs)
@@ -139,7 +168,10 @@ def main() -> None:
     disk = f"a FUSE passthrough capped at {args.mbps:g} MB/s" if args.mbps > 0 else "the local disk"
     print(f"\n{args.workers} workers, {args.model}, H={args.H}, {args.rounds} rounds, BASE_DIR on {disk}")
     print(table(rows, ["compression", "overlap", "utilisation (busy / wall)", "idle per round",
-                       f"idle vs overlap={args.overlaps[0]} (target <= 5%)", "θ folded in"]))
+                       f"idle vs overlap={args.overlaps[0]} (target <= 5%)", "θ folded in", "link per round",
+                       "segment (compute)"]))
+    for line in bound:
+        print(f"note: {line}")
     save_result("utilisation", {"args": vars(args), "results": results})
 
 
