@@ -65,3 +65,12 @@ def test_the_cache_key_fingerprints_the_training_code_not_the_docs(tmp_path, mon
         (tmp_path / f).write_text("changed")
         assert common.code_fingerprint() not in seen, f
         seen.add(common.code_fingerprint())
+
+
+def test_a_target_is_met_or_missed_only_when_the_seeds_resolve_it():
+    assert scaling.verdict([0.1, 0.3, 0.2, 0.2], 0.7).startswith("met (95% interval")
+    assert scaling.verdict([3.0, 3.2, 2.9, 3.1], 2.0).startswith("not met (95% interval")
+    # the four seeds of M = 4 against DP on 2026-11-24: the mean misses +2.0%, but the seeds do not resolve it
+    v = scaling.verdict([5.24, -1.46, 4.79, 7.40], 2.0)
+    assert v.startswith("not resolved by these seeds (95% interval -2.") and "over 4 seeds" in v
+    assert scaling.verdict([1.0], 2.0) == "met (one seed: no interval)"
