@@ -263,6 +263,37 @@ def test_the_straggler_deadline_never_leaves_a_restarted_worker_behind_before_it
         m.record_round()
 
 
+def test_a_delta_left_by_a_killed_process_does_not_prove_its_restarted_successor(paths):
+    """Resume: worker 1's old process published round r's delta before it was killed; the new process beats while
+    that delta is collected. Only a delta whose sidecar names the new lease ends the new process's start-up
+    allowance."""
+    clock = Clock()
+    beats = [hb(paths, w) for w in range(2)]
+    for b in beats:
+        b.beat(force=True, status="training")
+    m = Membership(paths, 2, outer(num_workers=2, dead_after_s=10, startup_grace_s=120, straggler_factor=3.0),
+                   clock)
+    m.history = [1.0]
+    old = beats[1].lease_id
+    beats[1] = hb(paths, 1)
+    beats[1].beat(force=True, status="waiting for round 0")
+    assert m.poll({0, 1}, {0: beats[0].lease_id, 1: old}).close  # round r: both deltas were on disk
+    m.record_round()
+    assert not m.poll({0}).close
+    clock.t += 20  # past the 10 s deadline, the new process has delivered nothing yet
+    beats[0].beat(force=True, status="waiting for the outer step")
+    beats[1].beat(force=True, status="training")
+    d = m.poll({0}, {0: beats[0].lease_id})
+    assert not d.close and "w1 (re)started 20.0 s ago" in d.why
+    assert m.poll({0, 1}, {0: beats[0].lease_id, 1: beats[1].lease_id}).close  # its own delta: proven
+    m.record_round()
+    assert not m.poll({0}).close
+    clock.t += 10
+    beats[1].beat(force=True, status="training")
+    beats[0].beat(force=True, status="training")
+    assert list(m.poll({0}).late) == [1]
+
+
 def test_round_timeout_is_the_cap_and_min_workers_the_floor(paths):
     clock = Clock()
     beats = [hb(paths, w) for w in range(3)]

@@ -257,7 +257,7 @@ class Coordinator:
             if set(range(N)) <= set(got):
                 why = {}
                 break
-            d = self.membership.poll(set(got))
+            d = self.membership.poll(set(got), {w: m.get("lease") for w, m in acc.metas.items()})
             if d.close:
                 why = d.missing
                 log.warning("round %d: %s; going on with %d/%d deltas, missing workers %s (%s)", r, d.why,

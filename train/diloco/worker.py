@@ -571,6 +571,7 @@ class Worker:
                       "rejects it visibly", r)
         self.count_io("written", file["bytes"])
         sidecar = delta_sidecar(r, self.w, file, **meta)
+        sidecar["lease"] = self.hb.lease_id  # which process delivered it (membership: a restart's first delivery)
         sidecar["io"] = self.take_io()
         sidecar["position"] = position
         sidecar["data"] = {**data, "read": position - data["offset"]}

@@ -219,15 +219,18 @@ class Membership:
             return None
         return max(factor * statistics.median(self.history[-HISTORY:]), self.dead_after_s)
 
-    def poll(self, arrived: set[int]) -> Decision:
+    def poll(self, arrived: set[int], leases: dict[int, str | None] | None = None) -> Decision:
+        """`leases`: the lease id each arrived delta's sidecar names (the process that wrote it), so that a delta
+        left by a killed process does not count as its restarted successor's first delivery."""
         now = self.observe()
         if self._round_t0 is None:
             self._round_t0 = now
         elapsed = self._elapsed = now - self._round_t0
         arrived = {w for w in arrived if w in self.leases}
         for w in arrived:
-            if self.leases[w].current:
-                self.leases[w].proven = True
+            ls, by = self.leases[w], (leases or {}).get(w)
+            if ls.current and (by is None or (ls.key is not None and by == ls.key[0])):
+                ls.proven = True
         n_in, oc = len(arrived), self.outer
         if self._quorum_s is None and n_in >= self.quorum:
             self._quorum_s = elapsed
@@ -260,10 +263,11 @@ class Membership:
             d.close, d.waiting = True, []
             d.why = f"round_timeout_s = {oc.round_timeout_s:g} passed with {n_in} of {self.n}"
         elif deadline is not None and n_in >= self.quorum and elapsed >= deadline:
-            d.why = f"straggler deadline {deadline:.1f} s passed with {n_in} of {self.n}, but worker(s) " \
-                    f"{sorted(young)} (re)started {min(now - self.leases[w].born for w in young):.1f} s ago: " \
-                    f"waiting up to dead_after_s + startup_grace_s = {self.dead_after_s + self.startup_grace_s:g} " \
-                    f"s from a process's start before leaving it behind"
+            ages = ", ".join(f"w{w} " + (f"(re)started {now - self.leases[w].born:.1f} s ago"
+                                         if self.leases[w].current else "still starting") for w in sorted(young))
+            d.why = f"straggler deadline {deadline:.1f} s passed with {n_in} of {self.n}, but {ages}: waiting up " \
+                    f"to dead_after_s + startup_grace_s = {self.dead_after_s + self.startup_grace_s:g} s from a " \
+                    f"process's start before leaving it behind"
         elif not live:
             d.why = f"only {n_in} of {self.n} in and no other live worker (min_workers = {oc.min_workers}): " \
                     f"waiting for workers to come back"
