@@ -157,6 +157,11 @@ def verdict(per_seed: list[float], limit: float) -> str:
     return f"not resolved by these seeds ({span})"
 
 
+def run_key(sets: list[str], code: str) -> str:
+    """A run's key in the cache: its overrides and the fingerprint of the code that trained it."""
+    return " ".join(sets) + f" code={code}"
+
+
 def tuned(plan: list[dict]) -> list[dict]:
     """Of the rows run at several inner lrs, the one with the lowest mean eval loss per name (first-seen order)."""
     best: dict[str, dict] = {}
@@ -271,7 +276,7 @@ def main() -> None:
         i, seed = job
         row = plan[i]
         sets = overrides(args, row, seed)
-        key = " ".join(sets) + f" code={code}"
+        key = run_key(sets, code)
         if key not in cache and args.report:
             return
         if key not in cache:
@@ -293,8 +298,11 @@ def main() -> None:
     wall = time.perf_counter() - t0
     missing = [row for row in plan if len(row["runs"]) < len(args.seeds)]
     plan = [row for row in plan if row not in missing]
-    reused = sum(1 for row in plan for seed in args.seeds if " ".join(overrides(args, row, seed)) + f" code={code}"
-                 in before)
+    if not any(row["name"] == "DP" for row in plan):
+        raise SystemExit(f"{cache_path}: no run of DP by this code (fingerprint {code}) for seeds {args.seeds}; "
+                         f"the rows are compared with DP, so run without --report to record it"
+                         if args.report else "DP did not finish for every seed: no table")
+    reused = sum(1 for row in plan for seed in args.seeds if run_key(overrides(args, row, seed), code) in before)
     run_s = sum(r["seconds"] for row in plan for r in row["runs"].values())
 
     for row in plan:

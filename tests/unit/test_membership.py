@@ -221,17 +221,24 @@ def test_straggler_deadline_after_a_quorum_with_dead_after_s_as_floor(paths):
     assert m.deadline_s() is None and not tick(1000, {0, 1}).close
 
 
-def test_the_straggler_deadline_never_leaves_a_restarted_worker_behind_before_its_startup_grace(paths):
-    """A worker SIGKILLed and restarted mid-run (or a run resumed with a delta already in) imports torch, reads the
-    data and loads θ before it can train: it gets dead_after_s + startup_grace_s from its new process's first beat,
-    like a worker that has not beaten at all, before the straggler rule may close the round without it."""
+def two_running_workers(paths):
+    """Two workers beating since before the coordinator started, fast rounds recorded: the straggler deadline is
+    10 s (the dead_after_s floor), the start-up allowance dead_after_s + startup_grace_s = 130 s."""
     clock = Clock()
     beats = [hb(paths, w) for w in range(2)]
     for b in beats:
         b.beat(force=True, status="training")
     m = Membership(paths, 2, outer(num_workers=2, dead_after_s=10, startup_grace_s=120, straggler_factor=3.0),
                    clock)
-    m.history = [1.0]  # fast rounds: deadline 10 s (the dead_after_s floor)
+    m.history = [1.0]
+    return clock, beats, m
+
+
+def test_the_straggler_deadline_never_leaves_a_restarted_worker_behind_before_its_startup_grace(paths):
+    """A worker SIGKILLed and restarted mid-run (or a run resumed with a delta already in) imports torch, reads the
+    data and loads θ before it can train: it gets dead_after_s + startup_grace_s from its new process's first beat,
+    like a worker that has not beaten at all, before the straggler rule may close the round without it."""
+    clock, beats, m = two_running_workers(paths)
     assert m.deadline_s() == 10.0
     assert not m.poll({0}).close
     beats[1] = hb(paths, 1)  # a new process of worker 1 (its lease id changes)
@@ -267,13 +274,7 @@ def test_a_delta_left_by_a_killed_process_does_not_prove_its_restarted_successor
     """Resume: worker 1's old process published round r's delta before it was killed; the new process beats while
     that delta is collected. Only a delta whose sidecar names the new lease ends the new process's start-up
     allowance."""
-    clock = Clock()
-    beats = [hb(paths, w) for w in range(2)]
-    for b in beats:
-        b.beat(force=True, status="training")
-    m = Membership(paths, 2, outer(num_workers=2, dead_after_s=10, startup_grace_s=120, straggler_factor=3.0),
-                   clock)
-    m.history = [1.0]
+    clock, beats, m = two_running_workers(paths)
     old = beats[1].lease_id
     beats[1] = hb(paths, 1)
     beats[1].beat(force=True, status="waiting for round 0")

@@ -245,11 +245,12 @@ class Membership:
         deadline = self.deadline_s()
         d = Decision(False, "", missing, gone, {}, live, n_in, self.quorum, elapsed, deadline)
         enough = n_in >= oc.min_workers
+        past = deadline is not None and n_in >= self.quorum and elapsed >= deadline  # the straggler deadline
+        young = self._young(live, now) if past else []
         if not live and enough:
             d.close, d.waiting = True, []
             d.why = f"every live worker arrived ({n_in} of {self.n})"
-        elif deadline is not None and n_in >= self.quorum and elapsed >= deadline and \
-                not (young := self._young(live, now)):
+        elif past and not young:
             med = statistics.median(self.history[-HISTORY:])
             d.late = {w: f"straggler: past the deadline of {deadline:.1f} s = {float(oc.straggler_factor):g} x "
                          f"median recent round ({med:.1f} s)" + (" (floor: dead_after_s)" if deadline ==
@@ -262,7 +263,7 @@ class Membership:
             d.missing.update(d.late)
             d.close, d.waiting = True, []
             d.why = f"round_timeout_s = {oc.round_timeout_s:g} passed with {n_in} of {self.n}"
-        elif deadline is not None and n_in >= self.quorum and elapsed >= deadline:
+        elif past:
             ages = ", ".join(f"w{w} " + (f"(re)started {now - self.leases[w].born:.1f} s ago"
                                          if self.leases[w].current else "still starting") for w in sorted(young))
             d.why = f"straggler deadline {deadline:.1f} s passed with {n_in} of {self.n}, but {ages}: waiting up " \
