@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -234,17 +235,26 @@ def test_sigkill_coordinator_and_a_worker_mid_generation_then_the_run_finishes(t
 @pytest.mark.slow
 def test_a_worker_started_mid_run_takes_jobs_of_the_next_generation(tmp_path):
     """EDT joining: workers pull jobs from the queue, so one more worker process (any new id) started mid-run takes
-    jobs from the next generation on, and the run finishes with it."""
+    jobs from the next generation on, and the run finishes with it.
+
+    The coordinator (the simulator's main process) is held with SIGSTOP while the joiner starts: on a slow box the
+    joiner's start-up (torch, transformers, the data) can outlast the rest of this small run, and a worker that
+    arrives after the last job has nothing to take. Worker 0 keeps training meanwhile; the next generation is posted
+    once the joiner is set up, and both workers poll for its jobs."""
     cfg = edt_config(tmp_path, workers=1, population_size=4, max_generations=3, mutation_steps=30)
     paths = EDTPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen([sys.executable, str(REPO / "edt_sim.py"), "--config", cfg, "--threads", "1"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    joiner = None
+    joiner, log = None, tmp_path / "joiner.log"
     try:
         wait_until(lambda: paths.metrics.is_file() and len(read_jsonl(paths.metrics)) >= 1, 300,
                    "generation 0 evaluated", sim)
-        joiner = start_script(["-m", "train.edt.worker", "--config", cfg, "--worker", "1", "--threads", "1"],
-                              tmp_path / "joiner.log")
+        os.kill(sim.pid, signal.SIGSTOP)
+        try:
+            joiner = start_script(["-m", "train.edt.worker", "--config", cfg, "--worker", "1", "--threads", "1"], log)
+            wait_until(lambda: "EDT worker 1 (" in log.read_text(), 300, "the joiner set up", joiner)
+        finally:
+            os.kill(sim.pid, signal.SIGCONT)
         out, _ = sim.communicate(timeout=600)
         assert joiner.wait(timeout=120) == 0, (tmp_path / "joiner.log").read_text()[-3000:]
     finally:
