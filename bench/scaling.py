@@ -91,15 +91,32 @@ def run(base: Path, name: str, sets: list[str], threads: int, timeout: float) ->
 
 
 def rows(args) -> list[dict]:
-    """Every run of the study: name, M, H, outer lr / momentum, extra overrides, the paper's figure."""
+    """Every run of the study: name, M, H, outer lr / momentum, extra overrides, the paper's figure. The rows beyond
+    the paper (--core-only drops them) are run at H = 30 where they need one H, and --only applies to every row."""
     out = [{"name": "DP", "M": 0, "H": args.steps, "lr": 1.0, "mom": 0.0, "sets": [], "paper": None}]
     for H in args.H:
         out += [{"name": f"DiLoCo M={M} H={H}", "M": M, "H": H, "lr": OUTER_LR[M], "mom": 0.9, "sets": [],
                  "paper": PAPER[M] if H == 30 else None} for M in args.M]
-    if args.core_only or 30 not in args.H:
-        return out
+    if not args.core_only:
+        out += extra_rows(args)
+    if args.only:  # DP stays: every row is compared with it
+        out = [out[0]] + [r for r in out[1:] if re.search(args.only, r["name"])]
+    # every AdamW row at every inner lr of --lrs (the paper tunes the inner lr of each configuration); Muon rows
+    # keep --muon-lr
+    return [dict(r, inner_lr=lr) for r in out
+            for lr in ([args.lr] if "inner.optimizer=muon" in r["sets"] else args.lrs)]
+
+
+def extra_rows(args) -> list[dict]:
+    """Beyond the paper: the project's default outer step (averaging) at every M > 1 and H; at H = 30 (when --H has
+    it) MuLoCo, the overlapped outer step, an H schedule and the --outer rows."""
     big = max(args.M)
-    out.append(dict(out[0], name="DP, Muon", sets=["inner.optimizer=muon"]))
+    avg = [{"name": f"DiLoCo M={M} H={H}, averaging (lr 1, mom 0: project default)", "M": M, "H": H, "lr": 1.0,
+            "mom": 0.0, "sets": [], "paper": None} for H in args.H for M in args.M if M > 1]  # M = 1: it is DP
+    if 30 not in args.H:
+        return avg
+    out = [{"name": "DP, Muon", "M": 0, "H": args.steps, "lr": 1.0, "mom": 0.0, "sets": ["inner.optimizer=muon"],
+            "paper": None}]
     out += [{"name": f"MuLoCo M={M} H=30", "M": M, "H": 30, "lr": OUTER_LR[M], "mom": 0.9,
              "sets": ["inner.optimizer=muon"], "paper": None} for M in sorted({min(args.M), big})]
     # the overlapped outer step (docs/overlap.md) with the paper's outer step: folded in at the segment's end (one
@@ -109,8 +126,7 @@ def rows(args) -> list[dict]:
                     "mom": 0.9, "sets": [f"outer.overlap={rule}", "outer.overlap_steps=30"], "paper": None})
     out.append({"name": f"DiLoCo M={big} H=30, delayed, fold after 6", "M": big, "H": 30, "lr": OUTER_LR[big],
                 "mom": 0.9, "sets": ["outer.overlap=delayed", "outer.overlap_steps=6"], "paper": None})
-    out += [{"name": f"DiLoCo M={M} H={H}, averaging (lr 1, mom 0: project default)", "M": M, "H": H, "lr": 1.0,
-             "mom": 0.0, "sets": [], "paper": None} for H in args.H for M in args.M if M > 1]  # M = 1: it is DP
+    out += avg
     out += [{"name": f"MuLoCo M={M} H=30, averaging", "M": M, "H": 30, "lr": 1.0, "mom": 0.0,
              "sets": ["inner.optimizer=muon"], "paper": None} for M in args.M if M > 1]
     if big > 1:  # ... and with averaging, AdamW and Muon inner
@@ -130,12 +146,7 @@ def rows(args) -> list[dict]:
     for lr, mom in (map(float, o.split(",")) for o in args.outer):
         out += [{"name": f"DiLoCo M={M} H=30, outer lr {lr} mom {mom}", "M": M, "H": 30, "lr": lr, "mom": mom,
                  "sets": [], "paper": None} for M in args.M if (lr, mom) != (1.0, 0.0)]
-    if args.only:  # DP stays: every row is compared with it
-        out = [out[0]] + [r for r in out[1:] if re.search(args.only, r["name"])]
-    # every AdamW row at every inner lr of --lrs (the paper tunes the inner lr of each configuration); Muon rows
-    # keep --muon-lr
-    return [dict(r, inner_lr=lr) for r in out
-            for lr in ([args.lr] if "inner.optimizer=muon" in r["sets"] else args.lrs)]
+    return out
 
 
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student t, two-sided 95%

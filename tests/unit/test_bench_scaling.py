@@ -74,3 +74,17 @@ def test_a_target_is_met_or_missed_only_when_the_seeds_resolve_it():
     v = scaling.verdict([5.24, -1.46, 4.79, 7.40], 2.0)
     assert v.startswith("not resolved by these seeds (95% interval -2.") and "over 4 seeds" in v
     assert scaling.verdict([1.0], 2.0) == "met (one seed: no interval)"
+
+
+def test_only_and_the_averaging_rows_apply_without_h30():
+    """--H without 30 still has the averaging rows and honours --only (it once ran every paper-recipe row instead)."""
+    plan = scaling.rows(args(H=[1, 15], M=[2, 4], only=r"M=. H=(1|15), averaging \(lr"))
+    assert [r["name"] for r in plan] == ["DP"] + [f"DiLoCo M={M} H={H}, averaging (lr 1, mom 0: project default)"
+                                                  for H in (1, 15) for M in (2, 4)]
+    assert [r["name"] for r in scaling.rows(args(H=[1], M=[4], core_only=True))] == ["DP", "DiLoCo M=4 H=1"]
+
+
+def test_the_default_study_plans_the_same_rows_in_the_same_order():
+    names = [r["name"] for r in scaling.rows(args())]
+    assert names[:10] == ["DP"] + [f"DiLoCo M={M} H={H}" for H in (10, 30, 100) for M in (1, 2, 4)]
+    assert names[10:13] == ["DP, Muon", "MuLoCo M=1 H=30", "MuLoCo M=4 H=30"] and len(names) == len(set(names)) == 30
