@@ -256,7 +256,7 @@ def test_a_worker_started_mid_run_takes_jobs_of_the_next_generation(tmp_path):
         finally:
             os.kill(sim.pid, signal.SIGCONT)
         out, _ = sim.communicate(timeout=600)
-        assert joiner.wait(timeout=120) == 0, (tmp_path / "joiner.log").read_text()[-3000:]
+        assert joiner.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
         kill_all([p for p in (sim, joiner) if p is not None])
     assert sim.returncode == 0, out[-3000:]
