@@ -18,6 +18,7 @@ from train.core.config import build_config
 from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, verify_manifest
 from train.core.tensorio import load_tensors
 from train.diloco.coordinator import Coordinator
+from train.core.errors import ProtocolError
 from train.exchange.codec import SCALE, get_codec
 from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
 from train.exchange.theta import GlobalTheta, theta_checksum
@@ -106,26 +107,25 @@ def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
 
 
 # -- what the reducer refuses ------------------------------------------------------------------------------------------
-def _coordinator(tmp_path):
-    cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000},
-                                   outer={"num_workers": 3, "min_workers": 2, "compression": "int8",
-                                          "block_size": 32}))
+def _coordinator(tmp_path, **outer):
+    outer = {"num_workers": 3, "min_workers": 2, "compression": "int8", "block_size": 32, **outer}
+    cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000}, outer=outer))
     co = Coordinator(cfg, progress=False)
     co.setup()
     return co
 
 
-def _publish(co, w, seed, corrupt=None):
+def _publish(co, w, seed, corrupt=None, r=0):
     paths = co.paths
     theta = co.master.theta.tensors
     g = torch.Generator().manual_seed(seed)
     params = {k: v - torch.randn(v.shape, generator=g) * 1e-3 for k, v in theta.items()}
     codec = get_codec("int8", 32)
-    f = paths.delta_file(0, w)
-    file = write_delta(f, co.names, theta, params, codec, 0, w)
-    side = delta_sidecar(0, w, file, inner_steps=5, tokens=1000, loss=3.0)
-    off, n = co.layout.slice(0, w)  # the slice of the data layout this delta says it was trained on
-    side["data"] = {"segment": 0, "offset": off, "windows": n, "read": n}
+    f = paths.delta_file(r, w)
+    file = write_delta(f, co.names, theta, params, codec, r, w)
+    side = delta_sidecar(r, w, file, inner_steps=5, tokens=1000, loss=3.0)
+    off, n = co.layout.slice(r, w)  # the slice of the data layout this delta says it was trained on
+    side["data"] = {"segment": r, "offset": off, "windows": n, "read": n}
     if corrupt == "nan_scale":
         from safetensors.torch import load_file, save_file
         t = load_file(str(f))
@@ -201,3 +201,32 @@ def test_int8_delayed_overlap_with_a_worker_killed_and_restarted_completes(tmp_p
     assert "resumed worker state" in log1
     # the default fold is adaptive: every segment after the first folds the new θ in as soon as it is read
     assert "round 5: folded θ_5 in after" in paths.worker_log(0).read_text()
+
+
+def test_pruning_keeps_every_kept_round_buildable_from_a_checkpoint(tmp_path):
+    """keep_rounds = 2 after round 4 keeps θ_3, which is checkpoint 2 + update 3: checkpoint 2 must stay. (It was
+    pruned once, and a worker restarted after its round-3 snapshot was lost could not replay round 3: CI, stop 22.)
+    A copy of θ at round 0 whose next updates are pruned starts again from the checkpoint."""
+    co = _coordinator(tmp_path, num_workers=2, checkpoint_every=2, keep_rounds=2, rounds=5, late_weight=0.0)
+    thetas = {}
+    for r in range(4):
+        for w in range(2):
+            _publish(co, w, 10 * r + w, r=r)
+        co.run_round(r)
+        thetas[r + 1] = {k: v.clone() for k, v in co.master.theta.tensors.items()}
+    paths = co.paths
+    assert [r for r in range(5) if paths.round_dir(r).exists()] == [0, 2, 3, 4]
+    copy = GlobalTheta(paths, get_codec("int8", 32))
+    copy.load_checkpoint(0)  # where a worker's copy stands before it reads the round it resumes at
+    assert copy.buildable(3)
+    copy.advance_to(3)
+    assert all(torch.equal(copy.tensors[n], thetas[3][n]) for n in copy.names)
+    copy.advance_to(4)
+    assert all(torch.equal(copy.tensors[n], thetas[4][n]) for n in copy.names)
+    # with checkpoint 2 gone, θ_3 cannot be built: replay is skipped (buildable) and advance_to says why
+    import shutil
+    shutil.rmtree(paths.round_dir(2))
+    fresh = GlobalTheta(paths, get_codec("int8", 32))
+    assert not fresh.buildable(3) and fresh.buildable(4)
+    with pytest.raises(ProtocolError, match="round 3 cannot be rebuilt"):
+        fresh.advance_to(3)

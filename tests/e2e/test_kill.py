@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from helpers_proc import kill_sim_at_random_moments, run_script, script_cmd, wait_until
+from helpers_proc import kill_sim_at_random_moments, run_script, script_cmd, wait_until, wait_until_workers_gone
 from train.core.config import build_config
 from train.diloco.coordinator import Coordinator
 from train.core.store import RunPaths, read_json, read_jsonl, verify_manifest
@@ -171,3 +171,34 @@ def test_coordinator_killed_between_commit_and_metrics_logs_the_round_on_resume(
     co3.evals.join()
     assert [r["round"] for r in read_jsonl(paths.metrics)] == [0, 1]
     co3.close()
+
+
+def test_restart_between_resume_point_and_publication_publishes_first_with_overlap(write_config, tmp_path):
+    """A worker killed after writing its resume point (state.json: round r done) but before publishing Δ_r: the
+    restart publishes the saved delta before training on. With the delayed outer step the next segment folds in
+    θ_{r+1}, which waits for that very delta: without the publication first, the round closed only at
+    round_timeout_s, without the worker (CI, stop 22)."""
+    cfg = write_config(outer={"rounds": 3, "local_steps": 40, "overlap": "delayed", "round_timeout_s": 120.0,
+                              "straggler_factor": 0.0, "dead_after_s": 600.0})
+    paths = RunPaths(tmp_path / "runs" / "t")
+    sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", str(cfg)), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+    try:  # hold the coordinator once θ_1 is committed: round 1's deltas arrive, round 2 cannot be committed
+        wait_until(lambda: paths.committed(1).is_file(), 240, "round 1 committed", sim)
+        sim.send_signal(signal.SIGSTOP)
+        assert not paths.committed(2).is_file(), "the coordinator was held too late; raise local_steps"
+        wait_until(lambda: paths.delta_meta(1, 1).is_file() and read_json(paths.worker_state(1))["round_done"] == 1,
+                   240, "worker 1 published round 1")
+    finally:
+        os.killpg(sim.pid, signal.SIGKILL)
+        sim.wait(30)
+    wait_until_workers_gone(paths, 2)
+    # undo the publication: the delta back in the worker's pending file, no sidecar (a kill between steps 4 and 5)
+    os.replace(paths.delta_file(1, 1), paths.worker_pending_delta(1, 1))
+    paths.delta_meta(1, 1).unlink()
+    out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    recs = {r["round"]: r for r in read_jsonl(paths.metrics)}
+    assert sorted(recs[2]["workers_used"]) == [0, 1] and not recs[2].get("missing_why"), recs[2]
+    log = paths.worker_log(1).read_text()
+    assert "round 1: published delta" in log.split("worker 1 on ")[-1]  # after the restart's set-up

@@ -195,9 +195,8 @@ class Worker:
             return
         bases = [k - 1 if self.overlap and k > 0 and self.progress is not None else k for k in todo]
         bases += [k for k in todo if self.fold_step(k) is not None]  # ... and folded θ_k in during the segment
-        ok = broadcast_json(all(self.paths.committed(b).is_file() and
-                                (self.paths.is_checkpoint(b) or self.paths.update_file(b).is_file()) for b in bases)
-                            if self.dist.main else None, self.dist, self.device)
+        ok = broadcast_json(all(self.theta.buildable(b) for b in bases) if self.dist.main else None,
+                            self.dist, self.device)
         if not ok:
             log.warning("rounds %s were trained but their state snapshot was lost and their global models are gone: "
                         "going on from the older optimizer state", todo)
@@ -284,6 +283,10 @@ class Worker:
     def lead(self) -> None:
         """Rank 0 (or the only process): follow the committed rounds; in a group, tell the others each round."""
         rounds = self.cfg.outer.rounds
+        # a restart between our resume point and the publication (steps 4-5 above): publish the saved delta before
+        # anything else; the next overlapped segment would wait for an outer step that waits for this delta
+        if self.state["round_done"] >= 0:
+            self.publish_pending(self.state["round_done"])
         while True:
             r = self._latest = self.paths.latest_committed(self._latest)
             if r >= rounds:
@@ -464,9 +467,10 @@ class Worker:
                                          lambda i: self.maybe_fold(r, i, fold))
         if fold is not None:
             if fold["step"] is None:  # θ_r came too late for every step boundary: fold it in at the end
-                self.maybe_fold(r, H, fold)
+                self.maybe_fold(r, H, fold)  # (after train_steps stopped its clock: its wait is not in "seconds")
+            else:
+                stats["seconds"] -= fold["wait"]  # waited between two steps, inside train_steps' clock
             theta_r = fold["base"]  # the delta is taken against θ_r
-            stats["seconds"] -= fold["wait"]
             t_load += fold["wait"]
         if self.dist.enabled:
             # FSDP2 shards are gathered (a collective: every rank takes part); DDP copies are already whole.

@@ -141,12 +141,15 @@ def validate_and_reduce(paths: RunPaths, r: int, workers: list[int], *, delta_dt
 
 
 def prune_rounds(paths: RunPaths, latest: int, keep: int, before_checkpoint: int = 0) -> None:
-    """Delete rounds older than the last `keep` committed ones, but never those a process needs to rebuild θ_latest
-    and the outer state: the last fp32 checkpoint <= latest and every round after it (with compression, updates
-    and deltas since the checkpoint; without, every round is one), and `before_checkpoint` rounds before it (late
-    deltas folded into the round after the checkpoint). θ_0 stays: it is the run's template."""
+    """Delete rounds older than the last `keep` committed ones, but never those a process needs to rebuild a kept
+    round's θ and the outer state: the last fp32 checkpoint at or before the oldest kept round and every round after
+    it (with compression, updates and deltas since that checkpoint; without, every round is one), and
+    `before_checkpoint` rounds before it (late deltas folded into the round after the checkpoint). A worker
+    replaying a kept round (its state snapshot was lost) can thus always rebuild the θ it started from. θ_0 stays:
+    it is the run's template."""
     floor = latest - keep + 1
-    checkpoints = [c for c in paths.committed_rounds() if c <= latest and paths.is_checkpoint(c)]
+    # every kept round stays buildable: keep the last checkpoint at or before the oldest kept round
+    checkpoints = [c for c in paths.committed_rounds() if c <= max(floor, 0) and paths.is_checkpoint(c)]
     floor = min(floor, max(checkpoints, default=0) - before_checkpoint)
     for r in paths.committed_rounds():
         if r < floor and r != 0:

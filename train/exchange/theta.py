@@ -96,20 +96,35 @@ class GlobalTheta:
     def last_checkpoint(self, r: int) -> int:
         return max(c for c in [0, *self.paths.committed_rounds()] if c <= r and self.paths.is_checkpoint(c))
 
+    def _start(self, r: int) -> int | None:
+        """The round θ_r is built from: our copy's round when the updates after it are on disk, else the newest
+        checkpoint <= r with every update after it on disk (None: θ_r cannot be built from the run's files)."""
+        if self.codec is None:
+            return r if self.paths.is_checkpoint(r) else None
+        have = lambda a: all(self.paths.update_file(k).is_file() for k in range(a + 1, r + 1))  # noqa: E731
+        if self.round is not None and self.round <= r and have(self.round):
+            return self.round
+        for c in sorted((c for c in {0, *self.paths.committed_rounds()} if c <= r), reverse=True):
+            if self.paths.is_checkpoint(c) and have(c):
+                return c
+        return None
+
+    def buildable(self, r: int) -> bool:
+        """Whether θ_r can be brought about from the run's files (the rounds it needs were not pruned)."""
+        return self.paths.committed(r).is_file() and self._start(r) is not None
+
     def advance_to(self, r: int) -> bool:
         """Bring θ to committed round r; returns True when θ changed."""
         if self.round == r:
             return False
-        if self.codec is None or self.round is None or self.round > r or \
-                (self.paths.is_checkpoint(r) and not self.paths.update_file(r).is_file()):
-            if self.codec is None:
-                self.load_checkpoint(r)
-                return True
-            self.load_checkpoint(self.last_checkpoint(r))
+        start = self._start(r)
+        if start is None:
+            raise ProtocolError(f"{self.paths.round_dir(r)}: the global model of round {r} cannot be rebuilt: its "
+                                f"checkpoint or an update since the last checkpoint is missing (pruned?); restart "
+                                f"from a checkpoint")
+        if start != self.round:
+            self.load_checkpoint(start)
         for k in range(self.round + 1, r + 1):
-            if not self.paths.update_file(k).is_file():
-                raise ProtocolError(f"{self.paths.round_dir(k)}: the update of round {k} is missing (pruned?); "
-                                    f"restart from a checkpoint")
             self.apply(k)
         return True
 
