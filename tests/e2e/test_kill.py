@@ -173,11 +173,13 @@ def test_coordinator_killed_between_commit_and_metrics_logs_the_round_on_resume(
     co3.close()
 
 
-def test_restart_between_resume_point_and_publication_publishes_first_with_overlap(write_config, tmp_path):
-    """A worker killed after writing its resume point (state.json: round r done) but before publishing Δ_r: the
-    restart publishes the saved delta before training on. With the delayed outer step the next segment folds in
-    θ_{r+1}, which waits for that very delta: without the publication first, the round closed only at
-    round_timeout_s, without the worker (CI, stop 22)."""
+@pytest.mark.parametrize("moved", [False, True], ids=["before-the-move", "before-the-sidecar"])
+def test_restart_between_resume_point_and_publication_publishes_first_with_overlap(write_config, tmp_path, moved):
+    """A worker killed after writing its resume point (state.json: round r done) but before its Δ_r was published
+    (still in its pending file, or moved into the round but without the sidecar that marks it complete): the
+    restart publishes it before training on. With the delayed outer step the next segment folds in θ_{r+1}, which
+    waits for that very delta: the round closed only at round_timeout_s, without the worker (CI, stop 22; a
+    random-kill stress run for the moved case)."""
     cfg = write_config(outer={"rounds": 3, "local_steps": 40, "overlap": "delayed", "round_timeout_s": 120.0,
                               "straggler_factor": 0.0, "dead_after_s": 600.0})
     paths = RunPaths(tmp_path / "runs" / "t")
@@ -193,9 +195,10 @@ def test_restart_between_resume_point_and_publication_publishes_first_with_overl
         os.killpg(sim.pid, signal.SIGKILL)
         sim.wait(30)
     wait_until_workers_gone(paths, 2)
-    # undo the publication: the delta back in the worker's pending file, no sidecar (a kill between steps 4 and 5)
-    os.replace(paths.delta_file(1, 1), paths.worker_pending_delta(1, 1))
+    # undo the publication (a kill in step 5): no sidecar, and the delta back in the worker's pending file
     paths.delta_meta(1, 1).unlink()
+    if not moved:
+        os.replace(paths.delta_file(1, 1), paths.worker_pending_delta(1, 1))
     out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     recs = {r["round"]: r for r in read_jsonl(paths.metrics)}

@@ -636,24 +636,28 @@ class Worker:
         return broadcast_json(out, self.dist, self.device)
 
     def publish_pending(self, r: int) -> None:
-        """Move our saved delta of round r into rounds/r/deltas/ and write its sidecar (idempotent)."""
+        """Move our saved delta of round r into rounds/r/deltas/ and write its sidecar (idempotent: a kill between
+        the move and the sidecar leaves the delta in place, and the sidecar saved in state.json completes it)."""
         paths = self.paths
         pending = paths.worker_pending_delta(self.w, r)
-        if paths.delta_meta(r, self.w).is_file() or not pending.is_file():
+        moved = not pending.is_file()
+        if paths.delta_meta(r, self.w).is_file() or (moved and not paths.delta_file(r, self.w).is_file()) or \
+                self.state.get("sidecar", {}).get("round") != r:
             return
         latest = paths.latest_committed()
         late = self.cfg.outer.late_weight > 0
         if latest is not None and latest > r + late:
             log.warning("round %d was committed without us (we were too slow or restarted); dropping our delta "
                         "and rejoining at round %d", r, latest)
-            pending.unlink(missing_ok=True)
+            pending.unlink(missing_ok=True)  # (a delta already moved goes with its round when that is pruned)
             return
         if latest is not None and latest > r:
             log.info("round %d was committed without us: publishing our delta late, to be folded into round %d "
                      "with weight %g (outer.late_weight)", r, latest, self.cfg.outer.late_weight)
         try:
-            paths.deltas_dir(r).mkdir(parents=True, exist_ok=True)
-            os.replace(pending, paths.delta_file(r, self.w))
+            if not moved:
+                paths.deltas_dir(r).mkdir(parents=True, exist_ok=True)
+                os.replace(pending, paths.delta_file(r, self.w))
             publish_sidecar(paths, self.state["sidecar"])
         except FileNotFoundError:
             log.warning("round %d disappeared while publishing (already reduced and cleaned up)", r)
