@@ -47,3 +47,15 @@ def test_bad_config_is_one_clear_line(tmp_path):
     assert out.returncode == 2
     assert "unknown key 'outer.lr_'; did you mean 'outer.lr'?" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_files_the_docs_name_exist():
+    """A path the docs point a reader to (a test, a bench, a module, a config) is a file in the repo: tests moved to
+    tests/unit and tests/e2e once and five docs kept the old paths."""
+    missing = []
+    for f in [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]:
+        for m in re.findall(r"(?<![\w/.])((?:tests|bench|train|configs|scripts)/[\w/.-]+\.(?:py|json|md))",
+                            f.read_text()):
+            if not (REPO / m).exists():
+                missing.append(f"{f.name}: {m}")
+    assert not missing, missing
