@@ -20,8 +20,8 @@ from train.core.store import read_json, read_jsonl, verify_manifest
 EDT = {"max_generations": 2, "mutation_steps": 4, "job_lease_s": 30}
 
 
-def edt_config(tmp_path, workers: int, **edt) -> str:
-    cfg = tiny_config(tmp_path / "runs", outer={"num_workers": workers}, edt={**EDT, **edt})
+def edt_config(tmp_path, workers: int, plot: bool = False, **edt) -> str:
+    cfg = tiny_config(tmp_path / "runs", outer={"num_workers": workers}, edt={**EDT, **edt}, logging={"plot": plot})
     path = tmp_path / "evolution.json"
     path.write_text(json.dumps(cfg, indent=1))
     return str(path)
@@ -116,7 +116,7 @@ def test_three_workers_two_generations_complete(tmp_path):
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs" / "micro-llama.json")) \
         .save_pretrained(hf_dir)
     specs = [str(hf_dir), str(REPO / "configs" / "micro-llama.json")]
-    cfg = edt_config(tmp_path, workers=3, initial_population=specs)
+    cfg = edt_config(tmp_path, workers=3, initial_population=specs, plot=True)
     out = run_script("edt_sim.py", "--config", cfg, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     paths = EDTPaths(tmp_path / "runs" / "t")
@@ -181,8 +181,7 @@ def test_sigkill_coordinator_and_a_worker_mid_generation_then_the_run_finishes(t
     cfg = edt_config(tmp_path, workers=2, population_size=P, max_generations=G, mutation_steps=S, job_lease_s=3,
                      keep_generations=2)
     raw = json.loads(open(cfg).read())
-    raw["data"].update(fake_data=True, fake_tokens=100_000)  # no tokenizing, no plots: this test is about
-    raw["logging"]["plot"] = False                            # processes
+    raw["data"].update(fake_data=True, fake_tokens=100_000)  # no tokenizing: this test is about processes
     open(cfg, "w").write(json.dumps(raw))
     paths = EDTPaths(tmp_path / "runs" / "t")
     logs = tmp_path / "logs"

@@ -19,7 +19,8 @@ def finished_run(tmp_path_factory):
     from conftest import tiny_config
     tmp = tmp_path_factory.mktemp("e2e")
     cfg = tmp / "evolution.json"
-    cfg.write_text(json.dumps(tiny_config(tmp / "runs", outer={"rounds": 3, "local_steps": 8, "keep_rounds": 2})))
+    cfg.write_text(json.dumps(tiny_config(tmp / "runs", outer={"rounds": 3, "local_steps": 8, "keep_rounds": 2},
+                                      logging={"plot": True})))
     out = run_script("diloco_sim.py", "--config", str(cfg))
     assert out.returncode == 0, out.stdout + out.stderr
     return cfg, RunPaths(tmp / "runs" / "t"), out

@@ -29,7 +29,7 @@ def evomerge_raw(base_dir, models: list[str], base: str | None = None, **evomerg
     return tiny_config(base_dir, outer={"num_workers": 2},
                        edt={"mode": "evomerge", "initial_population": models, "population_size": 4,
                             "max_generations": 2, "mutation_steps": 3, "fitness": "tasks", "job_lease_s": 30},
-                       evomerge=em)
+                       evomerge=em, logging={"plot": True})
 
 
 # -- the genome (pure, fast) -----------------------------------------------------------------------------------------
