@@ -50,7 +50,9 @@ def mount(backing: Path, mnt: Path, mbps: float) -> subprocess.Popen:
 
 
 def unmount(mnt: Path, proc: subprocess.Popen) -> None:
-    subprocess.run(["fusermount", "-u", str(mnt)], check=False)
+    # fusermount comes with apt's fuse package (fusermount3 with fuse3); as root a plain umount does it
+    tool = shutil.which("fusermount") or shutil.which("fusermount3")
+    subprocess.run([tool, "-u", str(mnt)] if tool else ["umount", str(mnt)], check=False)
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:

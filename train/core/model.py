@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -25,16 +26,20 @@ WEIGHTS = "model.safetensors"
 
 
 def quiet_transformers() -> None:
-    """No per-call progress bars from transformers / datasets inside workers (our own bars say more)."""
+    """No per-call progress bars from transformers / datasets inside workers (our own bars say more).
+
+    `datasets` is not imported here: its import costs a few seconds of CPU and only the processes that read a
+    dataset (the coordinator tokenizing, EvoMerge task loading) need it. When it is not loaded yet, the variables it
+    reads at import quiet it (children inherit them); when it is, it is told directly."""
     import transformers
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    try:
-        import datasets
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    datasets = sys.modules.get("datasets")
+    if datasets is not None:
         datasets.utils.logging.disable_progress_bar()
         datasets.utils.logging.set_verbosity_error()
-    except Exception:  # datasets is optional for fake data
-        pass
     import logging
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # offline retries: our error says it once
 
