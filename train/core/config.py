@@ -24,6 +24,7 @@ from train.core.errors import ConfigError  # noqa: F401  (raised here; importers
 from train.core.strategies import STRATEGIES  # what load_config's `strategy` may be (it names the default project)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = "evolution.json"
 log = logging.getLogger("config")
 
 
@@ -224,7 +225,12 @@ class OuterConfig:
                                        "long); 0 = off (wait for every live worker).")
     max_restarts: int = doc(3, "Restarts of a worker process that dies (simulators and the launcher's hosts; "
                                "backoff 1 s, 2 s, 4 s, ...); the simulators' --max-restarts overrides it.")
-    poll_interval_s: float = doc(0.2, "How often processes look at BASE_DIR for new files.")
+    poll_interval_s: float = doc(0.2, "How often processes look at BASE_DIR for new files (by listing folders, "
+                                      "so an NFS client's lookup cache never delays a round: docs/protocol.md).")
+    io_retry_s: float = doc(120.0, "How long one call on BASE_DIR (read, write, fsync, rename, listing, stat) is "
+                                   "retried after a transient error (EIO, ESTALE, ETIMEDOUT, EAGAIN, ENOLCK: a soft "
+                                   "NFS mount) before the process stops with a one-line error (exit 2; its "
+                                   "supervisor restarts it).")
     delta_dtype: str = doc("float32", "dtype of published pseudo-gradients: float32, bfloat16 or float16.")
     keep_rounds: int = doc(2, "Committed rounds kept on disk (older global models and deltas are deleted).")
     token_weighted: bool = doc(True, "Weight each delta by its tokens (equal weights when off).")
@@ -297,6 +303,7 @@ class OuterConfig:
         _check_range(self, p, "late_weight", 0.0, 1.0)
         _check_range(self, p, "max_restarts", 0)
         _check_range(self, p, "poll_interval_s", 0.0, lo_open=True)
+        _check_range(self, p, "io_retry_s", 0.0)
         _check_range(self, p, "keep_rounds", 1)
         _check_choice(self, p, "delta_dtype", ("float32", "bfloat16", "float16"))
         _check_choice(self, p, "compression", ("none", "int8", "int4", "bfloat16", "float16"))
@@ -780,6 +787,20 @@ def build_config(raw: dict, overrides: list[str] | None = None, source: str = "<
     for note in notes:
         log.info("%s: %s", source, note)
     return cfg
+
+
+def config_path(given: str) -> str:
+    """The config file as an absolute path, so that it means the same file in every process of the run whatever
+    folder each starts in (the simulators start workers in the repo; the launcher on other hosts). A relative
+    `--config` is relative to the folder the command was run in; relative paths *inside* the config are relative
+    to the config file's folder (then to the repo, for the shipped data and configs: RunConfig.resolve_path).
+    The default `evolution.json` falls back to the repo's when the current folder has none."""
+    p = os.path.abspath(os.path.expanduser(given))
+    if given == DEFAULT_CONFIG and not os.path.exists(p) and (REPO_ROOT / DEFAULT_CONFIG).is_file():
+        log.info("no %s in %s: using the repo's %s", given, os.getcwd(),
+                                         REPO_ROOT / DEFAULT_CONFIG)
+        return str(REPO_ROOT / DEFAULT_CONFIG)
+    return p
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,

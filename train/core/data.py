@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from train.core import sharedfs
 from train.core.errors import DataError, NotFound
 from train.core.config import RunConfig
 from train.core.store import atomic_write_json, read_json, wait_for
@@ -100,12 +101,12 @@ def build_token_cache(cfg: RunConfig, tokenizer, vocab_size: int, out_dir: Path,
     """Tokenize the dataset (or draw fake tokens) into out_dir/tokens.bin + meta.json, atomically."""
     from tqdm import tqdm
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    sharedfs.makedirs(out_dir)
     dtype = np.uint16 if vocab_size <= 65535 else np.uint32
     tmp = out_dir / f".tokens.bin.tmp-{os.getpid()}"
     n = 0
     d = cfg.data
-    with open(tmp, "wb") as f:
+    with sharedfs.SequentialFile(tmp) as f:
         if d.fake_data or d.dataset == "fake":
             rng = np.random.default_rng(cfg.seed)
             arr = rng.integers(0, vocab_size, size=d.fake_tokens, dtype=np.int64).astype(dtype)
@@ -142,9 +143,7 @@ def build_token_cache(cfg: RunConfig, tokenizer, vocab_size: int, out_dir: Path,
             if batch and not done:
                 flush()
             bar.close()
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out_dir / "tokens.bin")
+    sharedfs.replace(tmp, out_dir / "tokens.bin")
     meta = {"tokens": n, "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "dataset": d.dataset,
             "fake": bool(d.fake_data or d.dataset == "fake")}
     atomic_write_json(out_dir / "meta.json", meta)  # last: marks the cache complete
@@ -153,7 +152,7 @@ def build_token_cache(cfg: RunConfig, tokenizer, vocab_size: int, out_dir: Path,
 
 @dataclass
 class TokenData:
-    """The memory-mapped token file and the window arithmetic (train shards, eval windows)."""
+    """The token file (read window by window with retried preads) and the window arithmetic (shards, eval)."""
     tokens: np.ndarray
     seq_length: int
     eval_fraction: float
@@ -161,7 +160,7 @@ class TokenData:
     @classmethod
     def open(cls, cache_dir: Path, seq_length: int, eval_fraction: float) -> "TokenData":
         meta = read_json(cache_dir / "meta.json")
-        toks = np.memmap(cache_dir / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["tokens"],))
+        toks = sharedfs.PreadArray(cache_dir / "tokens.bin", meta["dtype"], meta["tokens"])  # not memmap: see there
         return cls(toks, seq_length, eval_fraction)
 
     @property
@@ -263,7 +262,7 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int, progress: bool = Tr
     """Build the token cache if missing (coordinator); returns its folder."""
     key = cache_key(cfg, tokenizer_fingerprint(tokenizer) if tokenizer is not None else "none", vocab_size)
     out = cfg.run_dir / "data" / key
-    if not (out / "meta.json").is_file():
+    if not sharedfs.exists(out / "meta.json"):
         build_token_cache(cfg, tokenizer, vocab_size, out, progress=progress)
     return out
 
@@ -271,7 +270,7 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int, progress: bool = Tr
 def find_data(cfg: RunConfig, timeout: float | None = None) -> Path:
     """The token cache the coordinator recorded in run state (workers wait for it)."""
     pointer = cfg.run_dir / "data" / "current.json"
-    got = wait_for(lambda: pointer.is_file(), timeout, cfg.outer.poll_interval_s)
+    got = wait_for(lambda: sharedfs.exists(pointer), timeout, cfg.outer.poll_interval_s)
     if not got:
         raise TimeoutError(f"{pointer}: the coordinator has not prepared the data yet")
     return cfg.run_dir / "data" / read_json(pointer)["key"]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from train.core.config import load_config
+from train.core import sharedfs
+from train.core.config import DEFAULT_CONFIG, config_path, load_config
 
 
 def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | None = None) -> int:
@@ -21,7 +22,8 @@ def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | Non
     from train.core.strategies import STRATEGIES
 
     ap = argparse.ArgumentParser(prog=f"python -m {STRATEGIES[strategy].worker_module}", description=doc)
-    ap.add_argument("--config", default="evolution.json", help="evolution.json of the run")
+    ap.add_argument("--config", default=DEFAULT_CONFIG, help="evolution.json of the run (default: %(default)s here, "
+                                                             "else the repo's)")
     ap.add_argument("--worker", type=int, required=True, help="this worker's id, 0..num_workers-1")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: config / torch default)")
@@ -29,7 +31,8 @@ def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | Non
     box: list = []  # the worker's Heartbeat once it exists; before it, SIGTERM exits at once
     install_leave_handler(lambda: box[0] if box else None)
     quiet_transformers()
-    cfg = load_config(args.config, args.set, strategy=strategy)
+    cfg = load_config(config_path(args.config), args.set, strategy=strategy)
+    sharedfs.configure(cfg.outer.io_retry_s)
     if args.threads:
         cfg.inner.threads = args.threads
     worker = worker_cls(cfg, args.worker)

@@ -138,6 +138,8 @@ def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO,
             if not secondary:
                 log.error("%s", " ".join(str(e).split("\n")))
             code = EXIT_USER_ERROR
+            if getattr(e, "retryable", False):
+                note_retryable_exit()
         except OSError as e:
             if show_tb or not getattr(e, "filename", None):
                 raise
@@ -160,6 +162,21 @@ def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO,
     finally:
         flush_logs()
     sys.exit(code)
+
+
+EXIT_NOTE_ENV = "EDT_EXIT_NOTE"  # a file the supervisor names: "retryable" there makes an exit 2 worth a restart
+
+
+def note_retryable_exit() -> None:
+    """Tell our supervisor (train/launch/procs.py) that this exit 2 is not the user's to fix (the shared disk kept
+    failing: train/core/sharedfs.py), so it restarts us like a crash."""
+    note = os.environ.get(EXIT_NOTE_ENV)
+    if note:
+        try:
+            with open(note, "w") as f:
+                f.write("retryable\n")
+        except OSError:
+            pass
 
 
 def _is_lost_peer(e: BaseException) -> bool:

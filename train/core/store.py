@@ -24,8 +24,10 @@ Only safetensors and JSON are read from the shared disk; nothing is unpickled.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -33,33 +35,81 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from train.core import sharedfs
 from train.core.errors import ProtocolError  # noqa: F401  (raised here)
 
 PROTOCOL_VERSION = 1
 
+log = logging.getLogger("store")
 
-def exclusive_lock(path: str | os.PathLike, what: str):
+
+def exclusive_lock(path: str | os.PathLike, what: str, lease: str | os.PathLike | None = None,
+                   watch_s: float = 2.5):
     """Hold an exclusive flock on `path` (NFSv4 maps it to a byte-range lock) until the returned file is closed or
     the process exits: one live process per role (`what`, e.g. "worker 3", "the coordinator"). The holder's pid and
-    host are written into the file for the error message of the next one."""
+    host are written into the file for the error message of the next one.
+
+    Where the disk has no locks (NFSv3 without lockd: flock fails with ENOLCK; mounted `nolock`, locks are local to
+    each client and say nothing about other machines), the role's lease decides: `lease` is the heartbeat file of
+    the role (train/core/heartbeat.py); if its `beat` changes within `watch_s` seconds, another process holds the
+    role and this one stops. The lease is checked too when the lock was granted but the disk is known to grant
+    locks per client only (EDT_LOCKS=local), so single-holder enforcement never silently rests on the lock."""
     import fcntl
     import socket
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "pid ?"
+    sharedfs.makedirs(path.parent)
+    f = sharedfs.retry("open", path, lambda: open(path, "a+"))
+
+    def lock() -> bool | None:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return None  # held by another process (EAGAIN here is not the disk's: never retried)
+        except OSError as e:
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return False  # no locks on this disk (NFSv3 mounted nolock, or without lockd)
+            raise
+
+    locked = sharedfs.retry("lock", path, lock)
+    if locked is None:
+        holder = sharedfs.read_text(path).strip() or "pid ?"
         f.close()
         raise ProtocolError(f"{what} is already running ({holder}, lock {path}); stop it first") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    f.flush()
+    if not locked:
+        # NFSv3 without lockd, or a filesystem without locks: the lease (heartbeat) check still stops a second
+        # live process; say that the lock itself protects nothing here (docs/protocol.md "On NFS").
+        log.warning("%s: file locks are not supported on this disk: one %s at a time is enforced by its lease "
+                    "only", path, what)
+    if (not locked or os.environ.get("EDT_LOCKS") == "local") and lease is not None:
+        holder = live_lease(Path(lease), watch_s)
+        if holder:
+            f.close()
+            raise ProtocolError(f"{what} is already running ({holder}: its lease {lease} is beating); stop it first")
+    me = f"pid {os.getpid()} on {socket.gethostname()}".encode()
+    sharedfs.retry("write", path, lambda: (os.ftruncate(f.fileno(), 0), os.pwrite(f.fileno(), me, 0)))
     return f
+
+
+def live_lease(lease: Path, watch_s: float) -> str | None:
+    """'pid P on host H' if the heartbeat file `lease` (beat counter; train/core/heartbeat.py) is written by a live
+    process other than this one: its `beat` changes within `watch_s` seconds; else None."""
+    def beat() -> dict | None:
+        try:
+            return read_json(lease) if sharedfs.exists(lease) else None
+        except (OSError, ValueError):
+            return None
+    first = beat()
+    if not first or first.get("status") in ("exited", "left") or first.get("pid") == os.getpid():
+        return None
+    deadline = time.monotonic() + watch_s
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = beat()
+        if now and now.get("beat") != first.get("beat") and now.get("status") not in ("exited", "left"):
+            return f"pid {now.get('pid')} on {now.get('host')}"
+    return None
 
 
 # -- atomic files ---------------------------------------------------------------------------------------------------
@@ -67,54 +117,55 @@ def tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+fsync_dir = sharedfs.fsync_dir
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> None:
-    """Create `path` atomically: `write(fileobj)` fills a temp file in the same folder, then fsync + os.replace."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Create `path` atomically: a temp file in the same folder (every byte at its offset, fsync), then a rename.
+    The shared disk's retry policy covers each step (train/core/sharedfs.py); a failed attempt leaves no temp."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    sharedfs.makedirs(path.parent)
     tmp = tmp_name(path)
     try:
-        with open(tmp, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        sharedfs.write_file(tmp, data)
+        sharedfs.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         raise
     fsync_dir(path.parent)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    atomic_write(path, lambda f: f.write(data))
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> None:
+    """Create `path` atomically from what `write(fileobj)` writes (collected in memory, then atomic_write_bytes)."""
+    import io
+
+    buf = io.BytesIO() if "b" in mode else io.StringIO()
+    write(buf)
+    data = buf.getvalue()
+    atomic_write_bytes(path, data if isinstance(data, bytes) else data.encode())
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True) + "\n"), mode="w")
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(sharedfs.read_bytes(path))
 
 
 def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 22) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
+    fd = sharedfs.open_fd(path, os.O_RDONLY)
+    try:
+        off = 0
+        while chunk := sharedfs.pread(fd, bufsize, off, path):
             h.update(chunk)
+            off += len(chunk)
+    finally:
+        os.close(fd)
     return h.hexdigest()
 
 
@@ -129,7 +180,7 @@ def write_manifest(folder: str | os.PathLike, hashes: dict[str, str] | None = No
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != MANIFEST and not p.name.startswith("."):
             rel = str(p.relative_to(folder))
-            files[rel] = {"bytes": p.stat().st_size,
+            files[rel] = {"bytes": sharedfs.stat(p).st_size,
                           "sha256": (hashes or {}).get(rel) or sha256_file(p)}
     manifest = {"protocol": PROTOCOL_VERSION, "files": files}
     atomic_write_json(folder / MANIFEST, manifest)
@@ -140,12 +191,12 @@ def verify_manifest(folder: str | os.PathLike, check_hashes: bool = True) -> dic
     """Raise ProtocolError unless `folder` has a manifest whose files all exist with the recorded size/hash."""
     folder = Path(folder)
     mpath = folder / MANIFEST
-    if not mpath.is_file():
+    if not sharedfs.exists(mpath):
         raise ProtocolError(f"{folder}: incomplete (no {MANIFEST})")
     manifest = read_json(mpath)
     for rel, info in manifest["files"].items():
         p = folder / rel
-        if not p.is_file() or p.stat().st_size != info["bytes"]:
+        if not sharedfs.exists(p) or sharedfs.stat(p).st_size != info["bytes"]:
             raise ProtocolError(f"{p}: missing or wrong size (manifest says {info['bytes']} bytes)")
         if check_hashes and sha256_file(p) != info["sha256"]:
             raise ProtocolError(f"{p}: sha256 differs from the manifest (corrupt or modified)")
@@ -155,19 +206,39 @@ def verify_manifest(folder: str | os.PathLike, check_hashes: bool = True) -> dic
 def atomic_publish_dir(tmp_dir: Path, final_dir: Path) -> None:
     """Move a fully written temp directory into place. A stale `final_dir` (never committed) is replaced."""
     fsync_dir(tmp_dir)
-    if final_dir.exists():
+    if sharedfs.exists(final_dir):
         trash = final_dir.with_name(f".{final_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(final_dir, trash)
+        sharedfs.replace(final_dir, trash)
         shutil.rmtree(trash, ignore_errors=True)
-    os.replace(tmp_dir, final_dir)
+    sharedfs.replace(tmp_dir, final_dir)
+    sharedfs.remember_dir(final_dir)
     fsync_dir(final_dir.parent)
 
 
 def new_tmp_dir(final_dir: Path) -> Path:
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    sharedfs.makedirs(final_dir.parent)
     tmp = final_dir.with_name(f".{final_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
+    sharedfs.retry("mkdir", tmp, tmp.mkdir)
     return tmp
+
+
+def publish_dir(final_dir: Path, fill: Callable[[Path], Any]) -> Any:
+    """Write a folder atomically: `fill(tmp)` writes its files into a fresh temp folder beside `final_dir`, a
+    MANIFEST.json is added, and the folder is moved into place (atomic_publish_dir); returns what `fill` returned.
+    A transient shared-disk error anywhere in `fill` (which may call libraries such as `save_pretrained`) starts
+    the whole folder again in a new temp folder, so `fill` must only read its inputs. Nothing half-written stays."""
+    def once() -> Any:
+        tmp = new_tmp_dir(final_dir)
+        try:
+            out = fill(tmp)
+            write_manifest(tmp, hashes=out if isinstance(out, dict) and out and all(
+                isinstance(v, str) for v in out.values()) else None)
+            atomic_publish_dir(tmp, final_dir)
+            return out
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return sharedfs.retry("write folder", final_dir, once, transient=sharedfs.is_transient_any)
 
 
 # -- the run's paths ------------------------------------------------------------------------------------------------
@@ -190,6 +261,7 @@ def prepare_run_dir(run_dir: str | os.PathLike, source: str = "the config") -> P
     except OSError as e:
         raise ConfigError(f"{source}: base_dir: cannot write in {run_dir} ({e.strerror or e}); set base_dir to a "
                           f"writable folder on the shared disk") from None
+    sharedfs.remember_dir(run_dir)
     return run_dir
 
 
@@ -226,7 +298,7 @@ class RunPaths:
 
     def is_checkpoint(self, r: int) -> bool:
         """Round r has a complete fp32 global model directory (every round without compression)."""
-        return (self.global_dir(r) / "MANIFEST.json").is_file()
+        return sharedfs.exists(self.global_dir(r) / "MANIFEST.json")
 
     def deltas_dir(self, r: int) -> Path:
         return self.round_dir(r) / "deltas"
@@ -256,21 +328,24 @@ class RunPaths:
         return self.logs / f"worker-{w:03d}.log"
 
     # -- committed state --------------------------------------------------------------------------------------------
+    # Another machine makes these files: existence is read from folder listings, never from a lookup of a name
+    # that may not exist yet (an NFS client caches "no such file" for up to a minute: train/core/sharedfs.py).
     def committed_rounds(self) -> list[int]:
-        if not self.rounds.is_dir():
-            return []
         out = []
-        for d in self.rounds.iterdir():
-            if d.name.startswith("r") and d.name[1:].isdigit() and (d / "COMMITTED").is_file():
-                out.append(int(d.name[1:]))
+        for name in sharedfs.names(self.rounds):
+            if name.startswith("r") and name[1:].isdigit() and sharedfs.is_file(self.committed(int(name[1:]))):
+                out.append(int(name[1:]))
         return sorted(out)
+
+    def is_committed(self, r: int) -> bool:
+        return sharedfs.exists(self.committed(r))
 
     def latest_committed(self, hint: int | None = None) -> int | None:
         """The last committed round. `hint`: a round known to be committed; then only the rounds after it are
-        looked at (a stat each), not every round directory (rounds commit in order and are pruned oldest first)."""
-        if hint is not None and self.committed(hint).is_file():
+        looked at, not every round directory (rounds commit in order and are pruned oldest first)."""
+        if hint is not None and self.is_committed(hint):
             r = hint
-            while self.committed(r + 1).is_file():
+            while self.is_committed(r + 1):
                 r += 1
             return r
         rs = self.committed_rounds()
@@ -280,7 +355,7 @@ class RunPaths:
 # -- run identity ---------------------------------------------------------------------------------------------------
 def ensure_run_manifest(paths: RunPaths, identity: dict) -> dict:
     """Create run.json, or check that an existing run has our protocol version and the same identity."""
-    if paths.run_json.is_file():
+    if sharedfs.exists(paths.run_json):
         run = read_json(paths.run_json)
         if run.get("protocol") != PROTOCOL_VERSION:
             raise ProtocolError(
@@ -317,23 +392,37 @@ def wait_for(predicate: Callable[[], Any], timeout: float | None, poll: float,
 
 
 def append_jsonl(path: Path, record: dict) -> None:
-    """Append one line (a single write of a whole line; only the coordinator appends to a given file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(record, sort_keys=True) + "\n"
-    with open(path, "a+b") as f:
-        if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
-            line = "\n" + line  # a crash tore the last line: never glue the next record onto it
-        f.write(line.encode())
-        f.flush()
-        os.fsync(f.fileno())
+    """Append one line (a single write of a whole line; only the coordinator appends to a given file). A retry
+    after a transient error first checks whether the line already landed, so a record is never written twice."""
+    sharedfs.makedirs(path.parent)
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    tried = [False]
+
+    def once() -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            data = line
+            if size:
+                tail = os.pread(fd, len(line) + 1, max(0, size - len(line) - 1))
+                if tried[0] and tail.endswith(line) and (len(tail) <= len(line) or tail[-len(line) - 1:][:1] == b"\n"):
+                    return  # the attempt that failed landed after all
+                if not tail.endswith(b"\n"):
+                    data = b"\n" + line  # a crash tore the last line: never glue the next record onto it
+            tried[0] = True
+            os.pwrite(fd, data, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    sharedfs.retry("append", path, once)
 
 
 def read_jsonl(path: Path) -> list[dict]:
     """Read a jsonl file, skipping a torn last line (a crash mid-append)."""
     out = []
-    if not path.is_file():
+    if not sharedfs.exists(path):
         return out
-    for line in path.read_text().splitlines():
+    for line in sharedfs.read_text(path).splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:

@@ -1,8 +1,12 @@
-"""Streaming safetensors I/O: read tensor by tensor (mmap), write tensor by tensor with O(one tensor) memory.
+"""Streaming safetensors I/O: read and write tensor by tensor with O(one tensor) memory.
 
 The writer knows every name, dtype and shape up front, so it writes the safetensors header first and then each
 tensor's bytes in order; the file appears atomically (temp name + fsync + os.replace) and its sha256 is computed
 on the fly, so publishing a 500 MB delta never holds two copies of it and never re-reads it to hash it.
+
+Files live on the shared disk, so every read and write is a pread / pwrite at an explicit offset through the retry
+policy of train/core/sharedfs.py (a retried call repeats exactly what failed), and nothing is memory-mapped: a
+mapped page that a soft NFS mount cannot read, or that another host pruned, is a SIGBUS rather than an error.
 """
 from __future__ import annotations
 
@@ -11,11 +15,10 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
-from safetensors import safe_open
-
+from train.core import sharedfs
 from train.core.store import tmp_name, fsync_dir
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -95,9 +98,10 @@ class StreamingWriter:
         self._hash = hashlib.sha256()
 
     def __enter__(self) -> "StreamingWriter":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        sharedfs.makedirs(self.path.parent)
         self._tmp = tmp_name(self.path)
-        self._f = open(self._tmp, "wb")
+        self._fd = sharedfs.open_fd(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self._offset = 0
         self._unsynced = 0
         self._bg = _Background()
         self._emit(self._header)
@@ -107,12 +111,12 @@ class StreamingWriter:
 
     def _emit(self, data, keepalive=None) -> None:
         def job(data=data, keepalive=keepalive):  # keepalive: the tensor that owns `data`'s memory
-            self._f.write(data)
+            sharedfs.pwrite(self._fd, data, self._offset, self._tmp)
+            self._offset += len(data)
             self._hash.update(data)
             self._unsynced += len(data)
             if self._unsynced >= self.SYNC_EVERY:
-                self._f.flush()
-                os.fdatasync(self._f.fileno())
+                sharedfs.retry("fsync", self._tmp, lambda: os.fdatasync(self._fd))
                 self._unsynced = 0
         self._bg.submit(job)
 
@@ -134,21 +138,25 @@ class StreamingWriter:
         return self._hash.hexdigest()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        fd = self._fd
         try:
             self._bg.drain()
             if exc_type is None:
                 if self._next != len(self.order):
                     raise ValueError(f"{self.path.name}: only {self._next}/{len(self.order)} tensors written")
-                self._f.flush()
-                os.fsync(self._f.fileno())
-            self._f.close()
+                sharedfs.fsync(fd, self._tmp)
+            os.close(fd)
+            fd = None
             if exc_type is None:
-                os.replace(self._tmp, self.path)
+                sharedfs.replace(self._tmp, self.path)
                 fsync_dir(self.path.parent)
         finally:
-            self._f.close()  # also when we raise above (e.g. too few tensors): no leaked handle
-            if self._tmp.exists():
-                self._tmp.unlink()
+            if fd is not None:
+                os.close(fd)  # also when we raise above (e.g. too few tensors): no leaked handle
+            try:
+                self._tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 def save_streaming(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
@@ -161,31 +169,62 @@ def save_streaming(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     return w.sha256
 
 
+def _parse_header(path: Path, head: bytes, size: int, read: "Callable[[int, int], bytes]") -> tuple[dict, int]:
+    if len(head) != 8:
+        raise ValueError(f"{path}: too short to be safetensors")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(size - 8, 100 << 20):
+        raise ValueError(f"{path}: header length {n} exceeds the file")
+    return json.loads(read(n, 8)), n
+
+
 def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], dict[str, str]]:
     """(tensors {name: {dtype, shape, data_offsets}}, metadata) from a safetensors header, validating its bounds."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: too short to be safetensors")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, 100 << 20):
-            raise ValueError(f"{path}: header length {n} exceeds the file")
-        header = json.loads(f.read(n))
+    fd = sharedfs.open_fd(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        header, _ = _parse_header(path, sharedfs.pread(fd, 8, 0, path), size,
+                                  lambda n, off: sharedfs.pread(fd, n, off, path))
+    finally:
+        os.close(fd)
     meta = header.pop("__metadata__", {}) or {}
     return header, meta
 
 
-def iter_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time from a safetensors file, each read in full here.
+def _tensor_from(buf: bytearray, info: dict) -> torch.Tensor:
+    dtype = TORCH_DTYPES[info["dtype"]]
+    if not buf:
+        return torch.empty(info["shape"], dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
 
-    safetensors' `get_tensor` returns a tensor backed by the file's memory map: its bytes would be read later, on
-    whatever thread first touches them (a training step, not the prefetch thread), and on NFS a file another host
-    deletes (a pruned round) turns that access into SIGBUS. So every tensor is copied out of the map at once."""
-    with safe_open(str(path), framework="pt") as f:
-        for name in (names if names is not None else f.keys()):
-            yield name, f.get_tensor(name).clone()
+
+def iter_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time from a safetensors file, each read in full here (pread, retried).
+
+    Nothing is memory-mapped: a mapped tensor's bytes would be read later, on whatever thread first touches them
+    (a training step, not the prefetch thread), and on NFS a file another host deletes (a pruned round) or a page
+    a soft mount cannot read turns that access into SIGBUS."""
+    path = Path(path)
+    fd = sharedfs.open_fd(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        header, n = _parse_header(path, sharedfs.pread(fd, 8, 0, path), size,
+                                  lambda k, off: sharedfs.pread(fd, k, off, path))
+        header.pop("__metadata__", None)
+        base = 8 + n
+        for name in (names if names is not None else header):
+            if name not in header:
+                raise KeyError(f"{path}: no tensor {name!r}")
+            start, end = header[name]["data_offsets"]
+            if base + end > size or end < start:
+                raise ValueError(f"{path}: tensor {name!r} lies outside the file (truncated?)")
+            buf = bytearray(end - start)
+            if sharedfs.preadinto(fd, buf, base + start, path) != len(buf):
+                raise ValueError(f"{path}: truncated inside tensor {name!r}")
+            yield name, _tensor_from(buf, header[name])
+    finally:
+        os.close(fd)
 
 
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -204,16 +243,22 @@ class SequentialReader:
 
     def __init__(self, path: str | os.PathLike, hash_bytes: bool = True):
         self.path = Path(path)
-        self.header, self.metadata = read_header(self.path)
-        self._f = open(self.path, "rb")
+        self._fd = sharedfs.open_fd(self.path, os.O_RDONLY)
+        try:
+            size = os.fstat(self._fd).st_size
+            head = sharedfs.pread(self._fd, 8, 0, self.path)
+            self.header, n = _parse_header(self.path, head, size,
+                                           lambda k, off: sharedfs.pread(self._fd, k, off, self.path))
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.metadata = self.header.pop("__metadata__", {}) or {}
         self._hash = hashlib.sha256() if hash_bytes else None
-        head = self._f.read(8)
-        (n,) = struct.unpack("<Q", head)
-        raw = self._f.read(n)
         if self._hash:
             self._hash.update(head)
-            self._hash.update(raw)
+            self._hash.update(sharedfs.pread(self._fd, n, 8, self.path))
         self._base = 8 + n
+        self._size = size
         self._pos = 0
         self._bg = _Background() if hash_bytes else None
 
@@ -231,33 +276,36 @@ class SequentialReader:
         if start != self._pos:
             if self._hash is not None:  # the hash needs every byte in order
                 raise ValueError(f"{self.path}: tensor {name!r} is not next in file order")
-            self._f.seek(self._base + start)
+        if end < start or self._base + end > self._size:
+            raise ValueError(f"{self.path}: truncated inside tensor {name!r}")
         buf = bytearray(end - start)
-        got = self._f.readinto(buf)
-        if got != len(buf):
+        if sharedfs.preadinto(self._fd, buf, self._base + start, self.path) != len(buf):
             raise ValueError(f"{self.path}: truncated inside tensor {name!r}")
         if self._bg is not None:
             self._bg.submit(lambda b=buf: self._hash.update(b))  # hashed while the caller computes
         self._pos = end
-        dtype = TORCH_DTYPES[info["dtype"]]
-        if not buf:
-            return torch.empty(info["shape"], dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+        return _tensor_from(buf, info)
 
     def finish(self) -> str | None:
         """Hash whatever follows the last tensor; return the file's sha256 (None if not hashing)."""
-        while chunk := self._f.read(1 << 22):
-            if self._bg is not None:
-                self._bg.submit(lambda b=chunk: self._hash.update(b))
-        self._f.close()
+        off = self._base + self._pos
+        while self._bg is not None and (chunk := sharedfs.pread(self._fd, 1 << 22, off, self.path)):
+            off += len(chunk)
+            self._bg.submit(lambda b=chunk: self._hash.update(b))
+        self._close_fd()
         if self._bg is None:
             return None
         bg, self._bg = self._bg, None
         bg.drain()
         return self._hash.hexdigest()
 
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
     def close(self) -> None:
-        self._f.close()
+        self._close_fd()
         if self._bg is not None:
             bg, self._bg = self._bg, None
             bg.drain()

@@ -376,7 +376,7 @@ def load_global(base_dir: str | os.PathLike, run_id: str, round: int | None = No
     """(round, {name: tensor}) of the latest (or the given) committed global parameters of a DiLoCoOptimizer run."""
     paths = RunPaths(Path(base_dir) / run_id)
     r = paths.latest_committed() if round is None else round
-    if r is None or not paths.committed(r).is_file():
+    if r is None or not paths.is_committed(r):
         raise NotFound(f"{paths.root}: no committed round {'yet' if round is None else round}")
     return r, dict(iter_tensors(paths.global_dir(r) / WEIGHTS))
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from train.core import sharedfs
 from train.core.config import ConfigError, RunConfig
 from train.core.data import StreamSampler, TokenData, find_data
 from train.core.dist import (
@@ -43,7 +44,7 @@ from train.core.dist import (
 from train.core.inner import InnerTrainer
 
 from train.core.background import OneSlot
-from train.core.heartbeat import Heartbeat
+from train.core.heartbeat import CoordinatorWatch, Heartbeat
 from train.exchange.codec import Residual
 from train.exchange.layout import Layout
 from train.exchange.master import exchange_codecs
@@ -84,13 +85,14 @@ class Worker:
         self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.poll = cfg.outer.poll_interval_s
         self.hb = Heartbeat(self.paths.progress(worker_id), worker_id)
-        self.monitor = lambda: None  # called while waiting; may raise (train_fsdp.py: its coordinator child died)
+        # called while waiting: says when the coordinator dies or comes back (train/core/heartbeat.py); may raise
+        self.monitor = CoordinatorWatch.of(cfg, "diloco")  # (train_fsdp.py: its coordinator child died)
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def wait_for_run(self) -> None:
         log.info("waiting for the coordinator to initialise %s", self.paths.root)
         self.hb.beat(force=True, status="waiting for round 0")
-        wait_for(lambda: self.monitor() or self.paths.committed(0).is_file(), None, self.poll)
+        wait_for(lambda: self.monitor() or self.paths.is_committed(0), None, self.poll)
         run = read_json(self.paths.run_json)
         if run.get("protocol") != PROTOCOL_VERSION:
             raise ProtocolError(f"{self.paths.run_json}: protocol {run.get('protocol')}, this worker speaks "
@@ -98,7 +100,8 @@ class Worker:
 
     def lock(self) -> None:
         """One live process per worker id: an exclusive lock on workers/wXXX/lock, held until the process exits."""
-        self._lock_f = exclusive_lock(self.paths.worker_dir(self.w) / "lock", f"worker {self.w}")
+        self._lock_f = exclusive_lock(self.paths.worker_dir(self.w) / "lock", f"worker {self.w}",
+                                     lease=self.paths.progress(self.w))
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -233,9 +236,9 @@ class Worker:
             atomic_write_json(paths.worker_state(w), self.state)
             for old in self.state_dir.glob("opt-r*.safetensors"):
                 if old.name != opt_file:
-                    old.unlink(missing_ok=True)
+                    sharedfs.unlink(old)
             if on_base:
-                self.count_io("written", (self.state_dir / opt_file).stat().st_size)
+                self.count_io("written", sharedfs.stat(self.state_dir / opt_file).st_size)
 
         if now:
             return write
@@ -349,7 +352,7 @@ class Worker:
         """"train" when we have a slot in the next round we would train; "wait" while we ask to join (a new worker)
         or wait for the round a new segment gives us; "leave" when the run no longer has a slot for us."""
         f = Layout.path(self.paths)
-        self._layout_seen = f.stat().st_mtime_ns if f.is_file() else None
+        self._layout_seen = sharedfs.stat(f).st_mtime_ns if sharedfs.exists(f) else None
         lay = self.layout()
         if lay is None:
             raise ProtocolError(f"{f} is missing: the coordinator writes it before round 0 (an older coordinator?)")
@@ -515,7 +518,7 @@ class Worker:
         if self.overlap:
             self.progress = {n: params[n].detach().to("cpu", torch.float32) - theta_r[n] for n in self.theta.names}
         if replay:
-            pending.unlink(missing_ok=True)
+            sharedfs.unlink(pending)
             published = self.state["sidecar"]["sha256"] if self.state["round_done"] == r else None
             if published is not None and published != file["sha256"]:
                 log.warning("round %d: the replayed delta differs from the published one (non-deterministic "
@@ -545,9 +548,9 @@ class Worker:
         if at is None and i < fold["H"] and self._prefetched != r:
             return  # adaptive: θ_r is not read yet (the training thread looks at a flag, not at BASE_DIR)
         t = time.perf_counter()
-        if self._prefetched != r and not self.paths.committed(r).is_file():
+        if self._prefetched != r and not self.paths.is_committed(r):
             self.hb.beat(force=True, status="waiting for the outer step", round=r - 1)
-            wait_for(lambda: self.monitor() or self.paths.committed(r).is_file(), None, self.poll)
+            wait_for(lambda: self.monitor() or self.paths.is_committed(r), None, self.poll)
         params, names = self.trainer.params, self.theta.names
         start = fold["base"]
         q = {n: params[n].detach().to("cpu", torch.float32) - start[n] for n in names}
@@ -602,7 +605,7 @@ class Worker:
         stop = self.prefetch.stop
 
         def job() -> None:
-            while not self.paths.committed(r).is_file():
+            while not self.paths.is_committed(r):
                 if stop.wait(self.poll):
                     return
             self.theta.advance_to(r)
@@ -613,7 +616,7 @@ class Worker:
 
     def finish_prefetch(self, r: int) -> None:
         """Before our copy of θ is used: wait for a prefetch of round r (its error is raised), cancel any other."""
-        if self._prefetch_round == r and (self._prefetched == r or self.paths.committed(r).is_file()):
+        if self._prefetch_round == r and (self._prefetched == r or self.paths.is_committed(r)):
             self.prefetch.join()
         else:
             self.prefetch.cancel()
@@ -649,7 +652,7 @@ class Worker:
         if latest is not None and latest > r + late:
             log.warning("round %d was committed without us (we were too slow or restarted); dropping our delta "
                         "and rejoining at round %d", r, latest)
-            pending.unlink(missing_ok=True)  # (a delta already moved goes with its round when that is pruned)
+            sharedfs.unlink(pending)  # (a delta already moved goes with its round when that is pruned)
             return
         if latest is not None and latest > r:
             log.info("round %d was committed without us: publishing our delta late, to be folded into round %d "
@@ -657,7 +660,7 @@ class Worker:
         try:
             if not moved:
                 paths.deltas_dir(r).mkdir(parents=True, exist_ok=True)
-                os.replace(pending, paths.delta_file(r, self.w))
+                sharedfs.replace(pending, paths.delta_file(r, self.w))
             publish_sidecar(paths, self.state["sidecar"])
         except FileNotFoundError:
             log.warning("round %d disappeared while publishing (already reduced and cleaned up)", r)

@@ -27,6 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
+from train.core import sharedfs
 from train.core.store import MANIFEST, PROTOCOL_VERSION, RunPaths, atomic_write_json, fsync_dir, read_json
 
 
@@ -74,10 +75,9 @@ class EDTPaths(RunPaths):
 
     # -- committed state --------------------------------------------------------------------------------------------
     def committed_generations(self) -> list[int]:
-        if not self.generations.is_dir():
-            return []
-        return sorted(int(d.name[1:]) for d in self.generations.iterdir()
-                      if d.name.startswith("g") and d.name[1:].isdigit() and (d / "COMMITTED").is_file())
+        # from listings, never a lookup of a name that may not exist yet (NFS lookup cache: train/core/sharedfs.py)
+        return sorted(int(n[1:]) for n in sharedfs.names(self.generations)
+                      if n.startswith("g") and n[1:].isdigit() and sharedfs.is_file(self.gen_committed(int(n[1:]))))
 
     def latest_generation(self) -> int | None:
         gs = self.committed_generations()
@@ -87,7 +87,7 @@ class EDTPaths(RunPaths):
         return int(read_json(self.gen_committed(g))["population"])
 
     def has_result(self, g: int, m: int) -> bool:
-        return (self.member_dir(g, m) / MANIFEST).is_file()
+        return sharedfs.exists(self.member_dir(g, m) / MANIFEST)
 
 
 def member_id(g: int, m: int) -> str:
@@ -123,8 +123,10 @@ def try_claim(paths: EDTPaths, g: int, m: int, worker: int) -> str | None:
 
 def read_claim(paths: EDTPaths, g: int, m: int) -> dict | None:
     """The claim's JSON; {} while its writer is still filling it; None when there is no claim."""
+    if not sharedfs.exists(paths.claim(g, m)):
+        return None
     try:
-        return json.loads(paths.claim(g, m).read_text() or "{}")
+        return json.loads(sharedfs.read_text(paths.claim(g, m)) or "{}")
     except FileNotFoundError:
         return None
     except ValueError:
@@ -192,11 +194,15 @@ def publish_once(tmp_dir: Path, final_dir: Path) -> bool:
     """rename(tmp_dir, final_dir) when final_dir does not exist yet: True when we published, False when another
     attempt was first (then our temp dir is left for the caller to delete). Atomic on POSIX and NFS."""
     fsync_dir(tmp_dir)
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    if final_dir.exists():
+    sharedfs.makedirs(final_dir.parent)
+    if sharedfs.exists(final_dir):
         return False
-    try:
-        os.rename(tmp_dir, final_dir)  # onto a non-empty directory this fails: the first attempt wins
+    try:  # onto a non-empty directory this fails: the first attempt wins
+        sharedfs.retry("rename", final_dir, lambda: os.rename(tmp_dir, final_dir))
+    except FileNotFoundError:
+        if sharedfs.exists(tmp_dir):
+            raise
+        return sharedfs.exists(final_dir)  # a retried rename whose first attempt landed (NFS): ours
     except OSError as e:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
             return False

@@ -40,6 +40,7 @@ from train.edt.store import (
 )
 from train.edt.modes import mode_of
 from train.core.model import WEIGHTS, load_weights_into, pick_device
+from train.core import sharedfs
 from train.core.store import (
     PROTOCOL_VERSION,
     ProtocolError,
@@ -51,7 +52,7 @@ from train.core.store import (
     write_manifest,
 )
 from train.core.tensorio import StreamingWriter, read_header
-from train.core.heartbeat import Heartbeat
+from train.core.heartbeat import CoordinatorWatch, Heartbeat
 
 log = logging.getLogger("edt-worker")
 
@@ -99,12 +100,14 @@ class EDTWorker:
         self.paths = EDTPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.poll = cfg.outer.poll_interval_s
         self.hb = Heartbeat(self.paths.progress(worker_id), worker_id)
+        self.monitor = CoordinatorWatch.of(cfg, "edt")  # called while waiting: says when the coordinator dies
         self.model = None
         self.started = time.time()
 
     def lock(self) -> None:
         """One live process per worker id (flock on workers/wXXX/lock, held until exit)."""
-        self._lock_f = exclusive_lock(self.paths.worker_dir(self.w) / "lock", f"EDT worker {self.w}")
+        self._lock_f = exclusive_lock(self.paths.worker_dir(self.w) / "lock", f"EDT worker {self.w}",
+                                     lease=self.paths.progress(self.w))
 
     def setup(self) -> None:
         cfg, paths = self.cfg, self.paths
@@ -114,7 +117,7 @@ class EDTWorker:
         log.info("waiting for the EDT coordinator to commit generation 0 in %s", paths.root)
         self.hb.beat(force=True, status="waiting for generation 0")
         from transformers import AutoModelForCausalLM  # noqa: F401  (slow first import, overlapped with the wait)
-        wait_for(lambda: paths.latest_generation() is not None, None, self.poll, on_poll=self.hb.leave_point)
+        wait_for(lambda: paths.latest_generation() is not None, None, self.poll, on_poll=self.monitor)
         run = read_json(paths.run_json)
         if run.get("protocol") != PROTOCOL_VERSION:
             raise ProtocolError(f"{paths.run_json}: protocol {run.get('protocol')}, this worker speaks "
@@ -143,6 +146,7 @@ class EDTWorker:
                 job = self.claim_next(g)
             if job is None:
                 self.hb.beat(status="waiting for a job", generation=g)
+                self.monitor()
                 time.sleep(self.poll)
                 continue
             m, attempt = job
@@ -159,6 +163,8 @@ class EDTWorker:
     def run_is_done(self) -> bool:
         """DONE.json says so, unless it is a finished run's marker that our config extends (more generations): then
         the coordinator removes it and goes on."""
+        if not sharedfs.exists(self.paths.done):  # a listing: DONE.json appears once, late (NFS lookup cache)
+            return False
         try:
             done = read_json(self.paths.done)
         except (OSError, ValueError):

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from train.core import sharedfs
 from train.core.store import ProtocolError, RunPaths, atomic_write_json, read_json
 
 
@@ -39,7 +40,7 @@ class Layout:
     @classmethod
     def load(cls, paths: RunPaths) -> "Layout | None":
         f = cls.path(paths)
-        if not f.is_file():
+        if not sharedfs.exists(f):  # a listing, not a lookup (NFS lookup cache: train/core/sharedfs.py)
             return None
         raw = read_json(f)
         try:

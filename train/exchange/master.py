@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
 from train.core.outer import outer_lr_at, outer_step_tensor
@@ -49,8 +50,8 @@ def write_global(paths: RunPaths, r: int, names: list[str], tensors: dict[str, t
     tmp = new_tmp_dir(new_dir)
     try:
         for fname in ("config.json", "generation_config.json"):
-            if (paths.global_dir(0) / fname).is_file():
-                shutil.copy2(paths.global_dir(0) / fname, tmp / fname)
+            if sharedfs.exists(paths.global_dir(0) / fname):
+                sharedfs.copy_file(paths.global_dir(0) / fname, tmp / fname)
         specs = {n: (torch.float32, tuple(tensors[n].shape)) for n in names}
         with StreamingWriter(tmp / WEIGHTS, specs, {"format": "pt"}) as wr:
             for n in names:

@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from train.core import sharedfs
 from train.core.heartbeat import GONE_STATUSES, boot_id
 from train.core.store import RunPaths, read_json
 
@@ -115,8 +116,8 @@ class Membership:
 
     # -- leases -----------------------------------------------------------------------------------------------------
     def _read(self, w: int) -> dict | None:
-        try:
-            rec = read_json(self.paths.progress(w))
+        try:  # a listing first: a joiner's lease appears late to a lookup (NFS lookup cache)
+            rec = read_json(self.paths.progress(w)) if sharedfs.exists(self.paths.progress(w)) else None
         except (OSError, ValueError):
             return None
         return rec if isinstance(rec, dict) else None

@@ -16,6 +16,7 @@ from typing import Mapping
 
 import torch
 
+from train.core import sharedfs
 from train.core.model import WEIGHTS
 from train.core.store import PROTOCOL_VERSION, RunPaths, atomic_write_json, read_json
 from train.core.tensorio import StreamingWriter, read_header
@@ -96,10 +97,11 @@ def check_sidecar(paths: RunPaths, r: int, w: int, codec: "Codec | str") -> dict
     if not isinstance(meta["tokens"], (int, float)) or meta["tokens"] <= 0:
         raise RejectedDelta(w, f"tokens = {meta['tokens']!r} (must be > 0)")
     f = paths.delta_file(r, w)
-    if not f.is_file():
+    if not sharedfs.exists(f):  # a listing: the sidecar is published after the delta (NFS lookup cache)
         raise RejectedDelta(w, "sidecar present but the delta file is missing")
-    if f.stat().st_size != meta["bytes"]:
-        raise RejectedDelta(w, f"file has {f.stat().st_size} bytes, sidecar says {meta['bytes']}")
+    size = sharedfs.stat(f).st_size
+    if size != meta["bytes"]:
+        raise RejectedDelta(w, f"file has {size} bytes, sidecar says {meta['bytes']}")
     try:
         header, fmeta = read_header(f)
     except (ValueError, OSError) as e:

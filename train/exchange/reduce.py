@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from train.core import sharedfs
 from train.core.model import WEIGHTS
 from train.exchange.protocol import RejectedDelta, check_sidecar
 from train.core.store import (RunPaths, atomic_publish_dir, new_tmp_dir, write_manifest)
@@ -43,7 +44,8 @@ def param_order(paths: RunPaths, r: int) -> list[str]:
 
 def arrived(paths: RunPaths, r: int, num_workers: int) -> list[int]:
     """Workers whose delta of round r is published (its sidecar marks it complete)."""
-    return [w for w in range(num_workers) if paths.delta_meta(r, w).is_file()]
+    present = set(sharedfs.names(paths.deltas_dir(r)))  # a listing, not lookups (NFS: train/core/sharedfs.py)
+    return [w for w in range(num_workers) if paths.delta_meta(r, w).name in present]
 
 
 def reduce_round(paths: RunPaths, r: int, workers: list[int], metas: dict[int, dict], weights: list[float],
@@ -54,7 +56,7 @@ def reduce_round(paths: RunPaths, r: int, workers: list[int], metas: dict[int, d
     total = sum(weights)
     g_reader = SequentialReader(paths.global_dir(r) / WEIGHTS, hash_bytes=False)
     m_path = paths.outer_state(r)
-    m_reader = SequentialReader(m_path, hash_bytes=False) if m_path.is_file() else None
+    m_reader = SequentialReader(m_path, hash_bytes=False) if sharedfs.exists(m_path) else None
     d_readers = {w: SequentialReader(paths.delta_file(r, w)) for w in workers}
 
     def prev(key: str) -> torch.Tensor | None:
@@ -70,11 +72,11 @@ def reduce_round(paths: RunPaths, r: int, workers: list[int], metas: dict[int, d
         specs = {n: (g_reader.dtype_of(n), tuple(g_reader.header[n]["shape"])) for n in names}
         m_specs = {k: v for n, (dt, s) in specs.items() for k, v in state_specs(n, dt, s).items()}
         tmp_dir = new_tmp_dir(new_dir)
-        bytes_read = sum(p.stat().st_size for p in [g_reader.path] + [d.path for d in d_readers.values()]) + (
-            m_path.stat().st_size if m_reader else 0)
+        bytes_read = sum(sharedfs.stat(p).st_size for p in [g_reader.path] + [d.path for d in d_readers.values()]) \
+            + (sharedfs.stat(m_path).st_size if m_reader else 0)
         for fname in ("config.json", "generation_config.json"):
-            if (paths.global_dir(r) / fname).is_file():
-                shutil.copy2(paths.global_dir(r) / fname, tmp_dir / fname)
+            if sharedfs.exists(paths.global_dir(r) / fname):
+                sharedfs.copy_file(paths.global_dir(r) / fname, tmp_dir / fname)
         with StreamingWriter(tmp_dir / WEIGHTS, specs, {"format": "pt"}) as pw, \
                 StreamingWriter(paths.outer_state(r + 1), m_specs, {"round": str(r + 1)}) as mw:
             for n in names:

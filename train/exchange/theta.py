@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
 from train.core.store import RunPaths, read_json
@@ -91,7 +92,7 @@ class GlobalTheta:
         f = self.paths.global_dir(c) / WEIGHTS
         self.tensors = {n: t.to(torch.float32) for n, t in iter_tensors(f, self.names)}
         self.round = c
-        self.bytes_read += f.stat().st_size
+        self.bytes_read += sharedfs.stat(f).st_size
 
     def last_checkpoint(self, r: int) -> int:
         return max(c for c in [0, *self.paths.committed_rounds()] if c <= r and self.paths.is_checkpoint(c))
@@ -101,7 +102,7 @@ class GlobalTheta:
         checkpoint <= r with every update after it on disk (None: θ_r cannot be built from the run's files)."""
         if self.codec is None:
             return r if self.paths.is_checkpoint(r) else None
-        have = lambda a: all(self.paths.update_file(k).is_file() for k in range(a + 1, r + 1))  # noqa: E731
+        have = lambda a: all(sharedfs.exists(self.paths.update_file(k)) for k in range(a + 1, r + 1))  # noqa: E731
         if self.round is not None and self.round <= r and have(self.round):
             return self.round
         for c in sorted((c for c in {0, *self.paths.committed_rounds()} if c <= r), reverse=True):
@@ -111,7 +112,7 @@ class GlobalTheta:
 
     def buildable(self, r: int) -> bool:
         """Whether θ_r can be brought about from the run's files (the rounds it needs were not pruned)."""
-        return self.paths.committed(r).is_file() and self._start(r) is not None
+        return self.paths.is_committed(r) and self._start(r) is not None
 
     def advance_to(self, r: int) -> bool:
         """Bring θ to committed round r; returns True when θ changed."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from train.core.config import RunConfig, load_config
+from train.core.config import DEFAULT_CONFIG, RunConfig, config_path, load_config
 
 # shortcut flag -> config key
 SHORTCUTS = {"workers": "outer.num_workers", "rounds": "outer.rounds", "local_steps": "outer.local_steps",
@@ -15,7 +15,8 @@ SHORTCUTS = {"workers": "outer.num_workers", "rounds": "outer.rounds", "local_st
 
 
 def add_config_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", default="evolution.json", help="the run's evolution.json (default: %(default)s)")
+    ap.add_argument("--config", default=DEFAULT_CONFIG,
+                    help="the run's evolution.json (default: %(default)s here, else the repo's)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set outer.lr=1.0 --set inner.precision=bf16 (repeatable)")
     g = ap.add_argument_group("shortcuts for common overrides")
@@ -63,6 +64,7 @@ def preflight(cfg: RunConfig, strategy: str = "diloco") -> None:
 def load_from_args(args: argparse.Namespace, strategy: str = "diloco") -> tuple[RunConfig, list[str]]:
     """The config and the overrides to hand to the run's other processes: the user's, plus what the strategy
     decided for them (its default project, `<strategy>-shakespeare`), so that workers agree with this process."""
+    args.config = config_path(args.config)
     ovs = overrides_from(args)
     cfg = load_config(args.config, ovs, strategy=strategy)
     return cfg, ovs + cfg.default_overrides()

@@ -1,0 +1,376 @@
+"""Every call on BASE_DIR goes through here: one retry policy for a shared disk that fails now and then, and
+visibility that does not depend on an NFS client's lookup cache.
+
+**Retries.** A soft NFS mount (and a hard one on ESTALE) fails a call with EIO, ESTALE, ETIMEDOUT, EAGAIN or ENOLCK
+when the server or the link hiccups. `retry(op, path, fn)` runs `fn` again with backoff (50 ms doubling to 2 s) for
+up to `outer.io_retry_s` seconds (`configure`), logs one warning when an episode starts and one line when it ends,
+and after that raises `SharedDiskError`: one line naming the path and the call, exit 2 (the worker's supervisor
+restarts it: train/launch/procs.py). Every helper below is safe to run twice: writes go to a temp name and are
+published by rename (a retried rename that already happened on the server is recognised), reads and writes of a
+file use explicit offsets (pread / pwrite), an append checks whether its line already landed.
+
+**Visibility.** Each machine is its own NFS client: a lookup of a name that does not exist yet is remembered
+("negative" dentry, lookupcache=all) for up to acdirmax (60 s by default), so polling `path.is_file()` for a file
+another machine is about to publish sees "no such file" long after it appeared. A directory *read* revalidates the
+directory on NFS (and is never cached by FUSE), and a name that exists is re-checked on open (close-to-open). So
+`exists(path)` never looks a name up before a listing of its folder shows it: it lists the parent (and, the first
+time, the folders above it, up to one known to exist) and answers from the listing. Use it for everything another
+process creates; a plain `Path.is_file()` is only for files this process made itself.
+
+Nothing here is specific to DiLoCo or EDT: train/core/store.py (atomic files, manifests, the run's paths),
+train/core/tensorio.py (safetensors streaming) and train/core/data.py (the token cache) build on it.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from train.core.errors import UserError
+
+log = logging.getLogger("sharedfs")
+
+T = TypeVar("T")
+
+# Errors a flaky shared disk returns and a later call may not: retried. (EINTR is retried by Python itself.)
+TRANSIENT = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.ENOLCK})
+RETRY_S = 120.0  # outer.io_retry_s: how long one call keeps retrying before the process gives up (exit 2)
+BACKOFF_S, BACKOFF_CAP_S = 0.05, 2.0
+_retry_s = RETRY_S
+_episodes = 0  # retry episodes so far in this process (recovered or not): for logs, metrics and tests
+
+
+class SharedDiskError(UserError, OSError):
+    """A call on the shared disk kept failing for outer.io_retry_s seconds (exit 2; a supervisor restarts)."""
+
+    retryable = True  # run_main tells the supervisor: restart (train/core/errors.py note_retryable_exit)
+
+
+def configure(retry_s: float) -> None:
+    """Set this process's retry budget per call (outer.io_retry_s)."""
+    global _retry_s
+    _retry_s = float(retry_s)
+
+
+def episodes() -> int:
+    return _episodes
+
+
+def is_transient(e: BaseException) -> bool:
+    return isinstance(e, OSError) and not isinstance(e, SharedDiskError) and e.errno in TRANSIENT
+
+
+def is_transient_any(e: BaseException) -> bool:
+    """`is_transient`, or a library's wrapper of such an OSError (safetensors reports `IoError(Os { code: 5 ...`
+    as a SafetensorError): for retrying a whole step that calls into libraries (e.g. `save_pretrained`)."""
+    if is_transient(e):
+        return True
+    import re
+    m = re.search(r"Os \{ code: (\d+)", str(e))
+    return bool(m) and int(m.group(1)) in TRANSIENT
+
+
+def retry(op: str, path: str | os.PathLike, fn: Callable[[], T], *, budget: float | None = None,
+          transient: Callable[[BaseException], bool] = is_transient) -> T:
+    """`fn()`, again after a transient error (see TRANSIENT) with backoff, for up to `budget` seconds
+    (outer.io_retry_s); then SharedDiskError naming `op` and `path`. Other errors pass through at once."""
+    global _episodes
+    budget = _retry_s if budget is None else budget
+    start, delay, tries = None, BACKOFF_S, 0
+    while True:
+        try:
+            out = fn()
+        except Exception as e:
+            if not transient(e):
+                raise
+            tries += 1
+            now = time.monotonic()
+            if start is None:
+                start = now
+                _episodes += 1
+                log.warning("shared disk: %s %s failed (%s); retrying for up to %.0f s", op, path, _why(e), budget)
+            if now - start >= budget:
+                raise SharedDiskError(
+                    getattr(e, "errno", None) or errno.EIO,
+                    f"{path}: {op} kept failing for {budget:.0f} s ({_why(e)}; outer.io_retry_s): "
+                             f"check that the shared disk is mounted and its server reachable; a supervised process "
+                             f"is restarted and resumes from its saved state") from None
+            time.sleep(min(delay, max(0.0, start + budget - now)))
+            delay = min(delay * 2, BACKOFF_CAP_S)
+            continue
+        if start is not None:
+            log.info("shared disk: %s %s succeeded after %d retries (%.1f s)", op, path, tries,
+                     time.monotonic() - start)
+        return out
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno:
+        return e.strerror or errno.errorcode.get(e.errno, str(e.errno))
+    return str(e).split("\n")[0][:200]
+
+
+# -- visibility: listings, never lookups of names that may not exist yet ------------------------------------------
+_known_dirs: set[str] = set()   # folders this process has seen exist (listed or made); forgotten when they vanish
+_known_lock = threading.Lock()
+
+
+def listdir(folder: str | os.PathLike) -> list[str]:
+    """The names in `folder` ([] if it does not exist). Only call it on a folder known to exist (see `exists`)."""
+    try:
+        names = retry("list", folder, lambda: os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        with _known_lock:
+            _known_dirs.discard(os.fspath(folder))
+        return []
+    with _known_lock:
+        _known_dirs.add(os.fspath(folder))
+    return names
+
+
+def _dir_known(folder: Path) -> bool:
+    with _known_lock:
+        return os.fspath(folder) in _known_dirs
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether `path` exists, answered from a listing of its folder (see the module docstring): its name is looked
+    up only once a listing has shown it. The folders above are checked the same way until one is known."""
+    path = Path(path)
+    parent = path.parent
+    if parent == path:  # the root
+        return True
+    if not _dir_known(parent) and not exists(parent):
+        return False
+    return path.name in listdir(parent)
+
+
+def is_file(path: str | os.PathLike) -> bool:
+    """`exists(path)` and a regular file (the stat comes after a listing showed the name)."""
+    import stat as stat_
+
+    return exists(path) and stat_.S_ISREG(stat(path).st_mode)
+
+
+def remember_dir(folder: str | os.PathLike) -> None:
+    """Record that `folder` exists (this process made it, or was handed it as the run folder)."""
+    with _known_lock:
+        _known_dirs.add(os.fspath(folder))
+
+
+def names(folder: str | os.PathLike) -> list[str]:
+    """`listdir` for a folder that may not exist yet (checked by listing its parents first)."""
+    folder = Path(folder)
+    if not _dir_known(folder) and not exists(folder):
+        return []
+    return listdir(folder)
+
+
+# -- calls that touch one file -------------------------------------------------------------------------------------
+def stat(path: str | os.PathLike) -> os.stat_result:
+    return retry("stat", path, lambda: os.stat(path))
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    """The whole file (read again from the start after a transient error)."""
+    def once() -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+    return retry("read", path, once)
+
+
+def read_text(path: str | os.PathLike) -> str:
+    return read_bytes(path).decode()
+
+
+def pread(fd: int, n: int, offset: int, path: str | os.PathLike) -> bytes:
+    """`n` bytes at `offset` (fewer only at the end of the file), retried."""
+    def once() -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            chunk = os.pread(fd, n - len(out), offset + len(out))
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
+    return retry("read", path, once)
+
+
+def preadinto(fd: int, buf: bytearray | memoryview, offset: int, path: str | os.PathLike) -> int:
+    """Fill `buf` from `offset` (returns the bytes read: fewer only at the end of the file), retried."""
+    view = memoryview(buf).cast("B")
+
+    def once() -> int:
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+    return retry("read", path, once)
+
+
+def pwrite(fd: int, data, offset: int, path: str | os.PathLike) -> None:
+    """Write all of `data` at `offset` (a retry writes the same bytes to the same place)."""
+    view = memoryview(data).cast("B")
+
+    def once() -> None:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    retry("write", path, once)
+
+
+def fsync(fd: int, path: str | os.PathLike) -> None:
+    retry("fsync", path, lambda: os.fsync(fd))
+
+
+def open_fd(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    return retry("open", path, lambda: os.open(path, flags, mode))
+
+
+def replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """os.replace, retried. A retry that finds `src` gone and `dst` present is the first attempt having happened
+    on the server while its reply was lost (NFS's non-idempotent rename): success."""
+    first = [True]
+
+    def once() -> None:
+        try:
+            os.replace(src, dst)
+        except FileNotFoundError:
+            if first[0] or not os.path.lexists(dst):
+                raise
+        finally:
+            first[0] = False
+    retry("rename", dst, once)
+
+
+def unlink(path: str | os.PathLike, missing_ok: bool = True) -> None:
+    def once() -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+    retry("unlink", path, once)
+
+
+def makedirs(folder: str | os.PathLike) -> None:
+    retry("mkdir", folder, lambda: os.makedirs(folder, exist_ok=True))
+    remember_dir(folder)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename in `path` durable (best effort: some filesystems refuse fsync on a folder)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        retry("fsync", path, lambda: os.fsync(fd), budget=min(_retry_s, 10.0))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str | os.PathLike, data: bytes | Any, *, durable: bool = True) -> None:
+    """Write `data` to a new file `path` (truncating), every byte at its offset, then fsync; retried as a whole."""
+    def once() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    retry("write", path, once)
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy a (small) file's bytes into a new file, both ends retried."""
+    write_file(dst, read_bytes(src))
+
+
+class SequentialFile:
+    """A new file written front to back, each `write` a retried pwrite at the running offset (the data cache, whose
+    writer produces its bytes as it goes). `close()` fsyncs; use as a context manager."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = path
+        self.fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self.offset = 0
+
+    def write(self, data) -> int:
+        pwrite(self.fd, data, self.offset, self.path)
+        n = memoryview(data).nbytes
+        self.offset += n
+        return n
+
+    def close(self, durable: bool = True) -> None:
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        try:
+            if durable:
+                fsync(fd, self.path)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> "SequentialFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(durable=exc_type is None)
+
+
+class PreadArray:
+    """A read-only 1-d numpy view of a file that reads each slice with a retried pread (instead of np.memmap, whose
+    page faults turn a soft mount's EIO into SIGBUS). Supports len() and [a:b] slices."""
+
+    def __init__(self, path: str | os.PathLike, dtype, length: int):
+        import numpy as np
+
+        self.path, self.dtype, self.length = path, np.dtype(dtype), int(length)
+        self.fd = open_fd(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key):
+        import numpy as np
+
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("PreadArray supports contiguous slices only")
+        a, b, _ = key.indices(self.length)
+        n = max(0, b - a)
+        raw = pread(self.fd, n * self.dtype.itemsize, a * self.dtype.itemsize, self.path)
+        if len(raw) != n * self.dtype.itemsize:
+            raise ValueError(f"{self.path}: file is shorter than its meta.json says ({self.length} tokens)")
+        return np.frombuffer(raw, dtype=self.dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+    def __getattr__(self, name: str):
+        """Any other numpy attribute (max, tolist, ...) on the whole array, read once (notebooks, tests)."""
+        if name.startswith("_") or name in ("path", "dtype", "length", "fd"):
+            raise AttributeError(name)
+        return getattr(self[:], name)
+
+    def __del__(self) -> None:
+        fd, self.fd = getattr(self, "fd", None), None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
