@@ -1,0 +1,165 @@
+"""The shared disk's one retry policy and listing-based visibility (train/core/sharedfs.py)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+from train.core import sharedfs
+from train.core.errors import UserError
+from train.core.store import append_jsonl, atomic_write_json, read_json, read_jsonl
+
+
+class Flaky:
+    """A callable that fails with `err` the first `n` times, then returns `value`."""
+
+    def __init__(self, n: int, err: int = errno.EIO, value="ok"):
+        self.n, self.err, self.value, self.calls = n, err, value, 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls <= self.n:
+            raise OSError(self.err, os.strerror(self.err))
+        return self.value
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(sharedfs, "BACKOFF_S", 0.001)
+    monkeypatch.setattr(sharedfs, "BACKOFF_CAP_S", 0.002)
+    sharedfs.configure(5.0)
+    yield
+    sharedfs.configure(sharedfs.RETRY_S)
+
+
+@pytest.mark.parametrize("err", sorted(sharedfs.TRANSIENT))
+def test_transient_errors_are_retried_until_the_call_succeeds(err, caplog):
+    f = Flaky(3, err)
+    before = sharedfs.episodes()
+    assert sharedfs.retry("read", "/x/y", f) == "ok" and f.calls == 4
+    assert sharedfs.episodes() == before + 1
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "/x/y" in warnings[0].getMessage()  # one line per episode, not per try
+
+
+def test_other_errors_pass_through_at_once():
+    f = Flaky(1, errno.ENOENT)
+    with pytest.raises(FileNotFoundError):
+        sharedfs.retry("read", "/x", f)
+    assert f.calls == 1
+
+
+def test_after_the_budget_one_user_error_naming_the_path():
+    f = Flaky(10**9)
+    with pytest.raises(sharedfs.SharedDiskError) as e:
+        sharedfs.retry("fsync", "/shared/run/rounds/r000001/COMMITTED", f, budget=0.05)
+    assert isinstance(e.value, UserError) and e.value.retryable
+    msg = str(e.value)
+    assert "/shared/run/rounds/r000001/COMMITTED" in msg and "fsync" in msg and "io_retry_s" in msg
+    assert "\n" not in msg
+
+
+def test_a_retried_rename_that_already_happened_counts_as_done(tmp_path, monkeypatch):
+    src, dst = tmp_path / "a", tmp_path / "b"
+    src.write_text("x")
+    real = os.replace
+    calls = []
+
+    def lost_reply(a, b):  # the server did it, the client saw an error (NFS retransmission)
+        calls.append(1)
+        if len(calls) == 1:
+            real(a, b)
+            raise OSError(errno.EIO, "Input/output error")
+        return real(a, b)
+    monkeypatch.setattr(os, "replace", lost_reply)
+    sharedfs.replace(src, dst)
+    assert dst.read_text() == "x" and not src.exists() and len(calls) == 2
+
+
+def test_a_retried_append_writes_its_line_once(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    append_jsonl(path, {"round": 1})
+    real = os.fsync
+    state = {"failed": False}
+
+    def fsync_fails_once(fd):  # the line is written, then its fsync fails
+        if not state["failed"]:
+            state["failed"] = True
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync_fails_once)
+    append_jsonl(path, {"round": 2})
+    assert [r["round"] for r in read_jsonl(path)] == [1, 2]
+
+
+def test_atomic_write_survives_a_failed_write_and_leaves_no_temp(tmp_path, monkeypatch):
+    real = os.pwrite
+    state = {"n": 0}
+
+    def pwrite_fails_once(fd, data, off):
+        state["n"] += 1
+        if state["n"] == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, data, off)
+    monkeypatch.setattr(os, "pwrite", pwrite_fails_once)
+    atomic_write_json(tmp_path / "c.json", {"a": 1})
+    assert read_json(tmp_path / "c.json") == {"a": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
+
+
+def test_exists_answers_from_listings_and_never_looks_up_a_missing_name(tmp_path, monkeypatch):
+    (tmp_path / "rounds" / "r000001").mkdir(parents=True)
+    (tmp_path / "rounds" / "r000001" / "COMMITTED").write_text("{}")
+    looked_up = []
+    real_stat, real_lstat = os.stat, os.lstat
+
+    def stat(p, *a, **k):
+        looked_up.append(os.fspath(p))
+        return real_stat(p, *a, **k)
+
+    def lstat(p, *a, **k):
+        looked_up.append(os.fspath(p))
+        return real_lstat(p, *a, **k)
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(os, "lstat", lstat)
+    assert sharedfs.exists(tmp_path / "rounds" / "r000001" / "COMMITTED")
+    assert not sharedfs.exists(tmp_path / "rounds" / "r000002" / "COMMITTED")
+    assert not sharedfs.exists(tmp_path / "rounds" / "r000001" / "deltas" / "w000.json")
+    assert not any("r000002" in p or "deltas" in p for p in looked_up), looked_up
+    # a name another process creates later is seen at the next call (nothing negative is remembered)
+    (tmp_path / "rounds" / "r000002").mkdir()
+    (tmp_path / "rounds" / "r000002" / "COMMITTED").write_text("{}")
+    assert sharedfs.exists(tmp_path / "rounds" / "r000002" / "COMMITTED")
+    assert sharedfs.names(tmp_path / "nowhere") == []
+
+
+def test_pread_array_reads_slices_like_a_memmap(tmp_path):
+    import numpy as np
+
+    arr = np.arange(1000, dtype=np.uint16)
+    (tmp_path / "tokens.bin").write_bytes(arr.tobytes())
+    pa = sharedfs.PreadArray(tmp_path / "tokens.bin", "uint16", 1000)
+    assert len(pa) == 1000 and pa[10:20].tolist() == list(range(10, 20)) and pa[995:2000].tolist() == \
+        list(range(995, 1000))
+    assert int(pa.max()) == 999
+    short = sharedfs.PreadArray(tmp_path / "tokens.bin", "uint16", 2000)
+    with pytest.raises(ValueError, match="shorter"):
+        short[1500:1600]
+
+
+def test_json_read_is_retried(tmp_path, monkeypatch):
+    (tmp_path / "x.json").write_text(json.dumps({"k": 1}))
+    import builtins
+    real_open = builtins.open
+    state = {"n": 0}
+
+    def open_fails_once(*a, **k):
+        if os.fspath(a[0]).endswith("x.json"):
+            state["n"] += 1
+            if state["n"] == 1:
+                raise OSError(errno.ESTALE, "Stale file handle")
+        return real_open(*a, **k)
+    monkeypatch.setattr(builtins, "open", open_fails_once)
+    assert read_json(tmp_path / "x.json") == {"k": 1} and state["n"] == 2
