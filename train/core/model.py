@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 from train.core.errors import ConfigError, EnvironmentProblem, ModelError, NotFound
 from train.core.config import RunConfig
-from train.core.store import atomic_publish_dir, new_tmp_dir, write_manifest
+from train.core.store import publish_dir
 from train.core.tensorio import iter_tensors
 
 WEIGHTS = "model.safetensors"
@@ -124,18 +123,13 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_model_dir(model: torch.nn.Module, final_dir: Path, tokenizer=None, records: dict | None = None) -> None:
     """save_pretrained into a temp dir (+ the tokenizer, + `records`: {file name: JSON object} written next to the
     weights, so the manifest covers them), write the manifest, then move it into place atomically."""
-    tmp = new_tmp_dir(final_dir)
-    try:
+    def fill(tmp: Path) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         for name, obj in (records or {}).items():
             (tmp / name).write_text(json.dumps(obj, indent=1))
-        write_manifest(tmp)
-        atomic_publish_dir(tmp, final_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    publish_dir(final_dir, fill)
 
 
 def load_weights_into(model: torch.nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:

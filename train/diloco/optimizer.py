@@ -56,9 +56,8 @@ from train.core.errors import NotFound
 from train.core.model import WEIGHTS
 from train.exchange.protocol import commit, delta_sidecar, publish_sidecar, round_record, write_delta
 from train.exchange.reduce import arrived, param_order, prune_rounds, validate_and_reduce
-from train.core.store import (PROTOCOL_VERSION, ProtocolError, RunPaths, append_jsonl, atomic_publish_dir,
-                              ensure_run_manifest, exclusive_lock, new_tmp_dir, read_json, read_jsonl,
-                              wait_for, write_manifest)
+from train.core.store import (PROTOCOL_VERSION, ProtocolError, RunPaths, append_jsonl, ensure_run_manifest,
+                              exclusive_lock, publish_dir, read_json, read_jsonl, wait_for)
 from train.core.tensorio import DTYPE_BY_NAME, StreamingWriter, iter_tensors
 
 log = logging.getLogger("diloco_optimizer")
@@ -229,8 +228,7 @@ class DiLoCoOptimizer:
     def _write_round0(self) -> None:
         """θ_0 = this worker's parameters (float32, named), written once with a manifest, then committed."""
         paths, names = self.paths, list(self.params)
-        tmp = new_tmp_dir(paths.global_dir(0))
-        try:
+        def fill(tmp) -> dict:
             config = getattr(self._source, "config", None)
             if config is not None and hasattr(config, "save_pretrained"):
                 config.save_pretrained(str(tmp))  # Hugging Face model: the global folders load with from_pretrained
@@ -238,12 +236,8 @@ class DiLoCoOptimizer:
             with StreamingWriter(tmp / WEIGHTS, specs, {"format": "pt"}) as wr:
                 for n in names:
                     wr.write(n, self.params[n].detach().to("cpu", torch.float32, copy=True))
-            write_manifest(tmp, hashes={WEIGHTS: wr.sha256})
-            atomic_publish_dir(tmp, paths.global_dir(0))
-        except BaseException:
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            return {WEIGHTS: wr.sha256}
+        publish_dir(paths.global_dir(0), fill)
         commit(paths, 0, {"protocol": PROTOCOL_VERSION, "kind": KIND})
         log.info("round 0 committed: %d tensors, %.2fM parameters", len(names),
                  sum(p.numel() for p in self.params.values()) / 1e6)

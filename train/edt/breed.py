@@ -19,8 +19,7 @@ from train.edt.store import EDTPaths, member_id
 from train.core.evolution import (crossover_dna, decode, fit_dna, generation_rng, mutate_dna, random_dna, select_pairs)
 from train.merge.crossover import MergeSpec, ParentFiles, merge_files
 from train.core.model import WEIGHTS, build_model, model_source
-from train.core.store import (PROTOCOL_VERSION, atomic_publish_dir, atomic_write_json, new_tmp_dir, read_json,
-                              write_manifest)
+from train.core.store import PROTOCOL_VERSION, atomic_write_json, publish_dir, read_json
 
 log = logging.getLogger("edt-coordinator")
 
@@ -72,16 +71,11 @@ def job_record(cfg: RunConfig, g: int, m: int, genome: dict, position: dict, opt
 
 def publish_job(paths: EDTPaths, g: int, m: int, fill: Callable[[Path], str | None], job: dict) -> None:
     """jobs/mXXX/ as one unit: `fill(tmp)` writes the model files (returns the weights' sha256 if known)."""
-    final = paths.job_dir(g, m)
-    tmp = new_tmp_dir(final)
-    try:
+    def fill_job(tmp: Path) -> dict | None:
         sha = fill(tmp)
         atomic_write_json(tmp / "job.json", job)
-        write_manifest(tmp, hashes={WEIGHTS: sha} if sha else None)
-        atomic_publish_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return {WEIGHTS: sha} if sha else None
+    publish_dir(paths.job_dir(g, m), fill_job)
 
 
 # -- generation 0 ----------------------------------------------------------------------------------------------------

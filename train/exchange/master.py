@@ -23,7 +23,7 @@ from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
 from train.core.outer import outer_lr_at, outer_step_tensor
-from train.core.store import RunPaths, atomic_publish_dir, new_tmp_dir, read_json, write_manifest
+from train.core.store import RunPaths, publish_dir, read_json
 from train.core.tensorio import StreamingWriter, iter_tensors
 from train.exchange.accumulate import Accumulator
 from train.exchange.codec import Codec, Residual
@@ -46,9 +46,7 @@ def exchange_codecs(oc) -> tuple[Codec, Codec | None]:
 
 def write_global(paths: RunPaths, r: int, names: list[str], tensors: dict[str, torch.Tensor]) -> int:
     """rounds/r/global/: the weights (fp32, file order), θ_0's config files, MANIFEST; returns bytes written."""
-    new_dir = paths.global_dir(r)
-    tmp = new_tmp_dir(new_dir)
-    try:
+    def fill(tmp: Path) -> dict:
         for fname in ("config.json", "generation_config.json"):
             if sharedfs.exists(paths.global_dir(0) / fname):
                 sharedfs.copy_file(paths.global_dir(0) / fname, tmp / fname)
@@ -56,12 +54,11 @@ def write_global(paths: RunPaths, r: int, names: list[str], tensors: dict[str, t
         with StreamingWriter(tmp / WEIGHTS, specs, {"format": "pt"}) as wr:
             for n in names:
                 wr.write(n, tensors[n])
-        write_manifest(tmp, hashes={WEIGHTS: wr.sha256})
-        atomic_publish_dir(tmp, new_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return wr.nbytes
+        nbytes.append(wr.nbytes)
+        return {WEIGHTS: wr.sha256}
+    nbytes: list[int] = []
+    publish_dir(paths.global_dir(r), fill)
+    return nbytes[-1]
 
 
 class OuterMaster:
