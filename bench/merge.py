@@ -72,7 +72,7 @@ def worker(variant: str, method: str, root: Path, out: Path, threads: int) -> di
     baseline = max(baseline, _status("VmHWM"))
     t0 = time.perf_counter()
     if variant == "ours":
-        merge_model_dirs(recipe, dirs, out, base_dir=base)
+        merge_model_dirs(recipe, dirs, out, base_model_dir=base)
     else:
         models = [AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32) for d in dirs]
         base_model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32) if base else None

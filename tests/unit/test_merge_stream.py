@@ -55,7 +55,7 @@ def test_streamed_merge_equals_the_in_memory_merge(three, tmp_path, monkeypatch,
     monkeypatch.setattr(merge_methods, "CHUNK", 1000)  # the 2048×16 embedding spans 33 chunks
     a, b, base = three
     out = tmp_path / "child"
-    info = merge_model_dirs(recipe, [a, b], out, base_dir=base)
+    info = merge_model_dirs(recipe, [a, b], out, base_model_dir=base)
     got = weights(out)
     use_base = recipe.method in Recipe.NEEDS_BASE
     expect = merge_state_dicts(recipe, [weights(a), weights(b)], weights(base) if use_base else None)
@@ -69,7 +69,7 @@ def test_streamed_merge_equals_the_in_memory_merge(three, tmp_path, monkeypatch,
     assert json.loads((out / "config.json").read_text()) == json.loads((a / "config.json").read_text())
     assert (out / "tokenizer.json").is_file()
     # a second run gives the same bytes (DARE's stream is seeded per tensor name)
-    assert merge_model_dirs(recipe, [a, b], tmp_path / "again", base_dir=base)["sha256"] == info["sha256"]
+    assert merge_model_dirs(recipe, [a, b], tmp_path / "again", base_model_dir=base)["sha256"] == info["sha256"]
 
 
 def test_the_child_loads_with_from_pretrained_and_dtype_can_be_changed(three, tmp_path):
@@ -123,13 +123,13 @@ def test_mismatched_parents_are_refused_before_any_work(three, tmp_path, change,
         cfg["model_type"] = override
         (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(MergeError, match=match) as e:
-        merge_model_dirs(Recipe("ties"), [a, bad], tmp_path / "out", base_dir=base)
+        merge_model_dirs(Recipe("ties"), [a, bad], tmp_path / "out", base_model_dir=base)
     assert f"model 1 ({bad})" in str(e.value) and f"model 0 ({a})" in str(e.value)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp*"))
     with pytest.raises(MergeError, match=match):
         check_compatible([a, bad])
     with pytest.raises(MergeError, match=f"base model \\({bad}\\)"):  # the base is checked as strictly
-        check_compatible([a, base], base_dir=bad)
+        check_compatible([a, base], base_model_dir=bad)
 
 
 def test_a_missing_tensor_a_different_tokenizer_and_a_non_model_dir_are_named(three, tmp_path):
@@ -170,7 +170,7 @@ def test_a_streamed_ties_merge_keeps_exactly_k_of_tied_magnitudes_across_chunks(
         (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 64}))
         save_streaming(tmp_path / name / "model.safetensors", sd)
     merge_model_dirs(Recipe("ties", weights=(1.0,), density=0.3), [tmp_path / "x"], tmp_path / "out",
-                     base_dir=tmp_path / "base")
+                     base_model_dir=tmp_path / "base")
     got = weights(tmp_path / "out")
     for n, d in delta.items():
         k = int(0.3 * d.numel())  # 614, 460, 9
@@ -188,9 +188,9 @@ def test_a_ties_density_that_keeps_nothing_of_a_small_tensor_is_refused_before_a
     monkeypatch.setattr(merge_stream.ModelFiles, "source", lambda self, name: pytest.fail(f"read {name}"))
     # int(0.05 · 16) = 0 for the 16-element norms of the micro Llama (the larger tensors keep k ≥ 1)
     with pytest.raises(MergeError, match=r"keeps int\(0.05 × 16\) = 0 entries of tensor 'model\..*norm\.weight'"):
-        merge_model_dirs(Recipe("ties", density=0.05), [a, b], tmp_path / "out", base_dir=base)
+        merge_model_dirs(Recipe("ties", density=0.05), [a, b], tmp_path / "out", base_model_dir=base)
     with pytest.raises(MergeError, match=r"density 0.04 of model 1 keeps int\(0.04 × 16\) = 0"):
-        merge_model_dirs(Recipe("ties", density=(0.5, 0.04)), [a, b], tmp_path / "out", base_dir=base)
+        merge_model_dirs(Recipe("ties", density=(0.5, 0.04)), [a, b], tmp_path / "out", base_model_dir=base)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp*"))
 
 
@@ -216,7 +216,7 @@ except OSError:
     pass
 baseline = max(baseline, status("VmHWM"))
 info = merge_model_dirs(Recipe(sys.argv[2], density=0.5), [root / "a", root / "b"], root / "out",
-                        base_dir=root / "base")
+                        base_model_dir=root / "base")
 print(json.dumps({"baseline": baseline, "peak": status("VmHWM"), "finite": info["finite"]}))
 """
 

@@ -15,12 +15,12 @@ genome records whether any gene was perturbed (`mutated`). Elites keep their DNA
 """
 from __future__ import annotations
 
-import importlib
 import math
 import random
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from train.core.plugins import import_attr
 from train.core.errors import ConfigError
 
 DNA = dict  # gene name -> position in [0, 1]
@@ -69,10 +69,9 @@ def fitness_function(spec: str) -> Callable[[Mapping], float]:
     tokens, ...) and returning a float, higher = fitter."""
     if spec in FITNESS:
         return FITNESS[spec]
-    mod, _, fn = spec.partition(":")
     try:
-        return getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError) as e:
+        return import_attr(spec)
+    except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"edt.fitness = {spec!r}: cannot import it ({type(e).__name__}: {e}); give a built-in "
                           f"({', '.join(FITNESS)}) or package.module:function importable on every machine") from None
 

@@ -7,7 +7,6 @@ Imports are lazy: reading the table costs nothing.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,8 +21,8 @@ class Strategy:
     title: str               # for log lines: "round" / "generation"
 
     def _attr(self, spec: str):
-        mod, _, attr = spec.partition(":")
-        return getattr(importlib.import_module(mod), attr)
+        from train.core.plugins import import_attr
+        return import_attr(spec)
 
     @property
     def coordinator(self) -> type:

@@ -122,7 +122,7 @@ def local_model_dir(cfg: RunConfig, spec: str) -> Path:
         raise hub_error("model", path, e) from e
 
 
-def base_dir_of(cfg: RunConfig) -> Path | None:
+def base_model_dir_of(cfg: RunConfig) -> Path | None:
     return local_model_dir(cfg, cfg.evomerge.base_model) if cfg.evomerge.base_model else None
 
 
@@ -133,7 +133,7 @@ def check_population(cfg: RunConfig) -> dict:
 
     try:
         dirs = [local_model_dir(cfg, s) for s in dict.fromkeys(cfg.edt.initial_population)]
-        base = base_dir_of(cfg)
+        base = base_model_dir_of(cfg)
     except FileNotFoundError as e:
         hint = (" (the offline demo's models: run `python scripts/make_specialists.py` first)"
                 if "evomerge-models" in str(e) else "")
@@ -181,7 +181,8 @@ class EvoMergeBreeding:
                 stats["bytes_written"] += (a.dir / WEIGHTS).stat().st_size
                 return None
             out = tmp / "merged"
-            io = merge_model_dirs(Recipe.from_dict(hyper["recipe"]), [a.dir, b.dir], out, base_dir=base_dir_of(cfg))
+            io = merge_model_dirs(Recipe.from_dict(hyper["recipe"]), [a.dir, b.dir], out,
+                                  base_model_dir=base_model_dir_of(cfg))
             for f in out.iterdir():
                 if f.name != "MANIFEST.json":
                     f.rename(tmp / f.name)

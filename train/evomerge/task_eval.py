@@ -14,12 +14,12 @@ as -loss (every term is higher-is-better, so fitness is maximised).
 """
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass
 
 import torch
 
+from train.core.plugins import import_attr
 from train.core.config import ConfigError
 from train.evomerge.sft import IGNORE, encode_prompt, encode_sft, pad_batch, pad_id_of, sft_loss
 from train.evomerge.tasks import load_items, prompt_and_answer
@@ -150,10 +150,9 @@ def fixed_items(specs: list[TaskSpec], seed: int = 0) -> dict[str, list[dict]]:
 
 
 def _custom_metric(spec: TaskSpec):
-    mod, _, fn = spec.metric.partition(":")
     try:
-        return getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError) as e:
+        return import_attr(spec.metric)
+    except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"task {spec.name!r}: metric {spec.metric!r} is not an importable module:function "
                           f"({type(e).__name__}: {e})") from e
 

@@ -1,7 +1,7 @@
 """Merges of Hugging Face model directories on disk, streaming: peak memory stays near one tensor per input.
 
-    check_compatible([dir_a, dir_b], base_dir)            # headers + config only; MergeError before any tensor read
-    merge_model_dirs(Recipe("ties", density=0.5), [dir_a, dir_b], out_dir, base_dir=base)
+    check_compatible([dir_a, dir_b], base_model_dir)   # headers + config only; MergeError before any tensor read
+    merge_model_dirs(Recipe("ties", density=0.5), [dir_a, dir_b], out_dir, base_model_dir=base)
 
 Reads: a model directory holds model.safetensors, or shards listed in model.safetensors.index.json. Tensors are read
 chunk by chunk (train.merge.methods.CHUNK elements) with os.preadv into buffers we own, deliberately not through
@@ -136,11 +136,11 @@ def _tokenizer_vocab(model_dir: Path) -> int | None:
     return len(ids)
 
 
-def _open_all(model_dirs: Sequence[Path], base_dir: Path | None) -> tuple[list[ModelFiles], ModelFiles | None]:
+def _open_all(model_dirs: Sequence[Path], base_model_dir: Path | None) -> tuple[list[ModelFiles], ModelFiles | None]:
     if not model_dirs:
         raise MergeError("no models to merge")
     models = [ModelFiles(d, f"model {i}") for i, d in enumerate(model_dirs)]
-    base = ModelFiles(base_dir, "base model") if base_dir is not None else None
+    base = ModelFiles(base_model_dir, "base model") if base_model_dir is not None else None
     first = models[0]
     for m in models[1:] + ([base] if base else []):
         where = f"{m.label} ({m.dir}) vs model 0 ({first.dir})"
@@ -189,12 +189,12 @@ def _intra_op_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def check_compatible(model_dirs: Sequence[Path], base_dir: Path | None = None) -> dict:
+def check_compatible(model_dirs: Sequence[Path], base_model_dir: Path | None = None) -> dict:
     """Check that the models (and the base) merge: same model_type / architectures / vocab_size /
     tie_word_embeddings, same tokenizer vocabulary size where tokenizer.json is present, the same tensor names
     (tied lm_head resolved) with the same shapes. Reads config.json and safetensors headers only; raises MergeError
     naming the model, its path and the field or tensor. Returns a summary of model 0 (the output's layout)."""
-    models, base = _open_all([Path(d) for d in model_dirs], None if base_dir is None else Path(base_dir))
+    models, base = _open_all([Path(d) for d in model_dirs], None if base_model_dir is None else Path(base_model_dir))
     first = models[0]
     return {"models": [str(m.dir) for m in models], "base": None if base is None else str(base.dir),
             "names": list(first.order), "shapes": {n: list(first.info[n][2]) for n in first.order},
@@ -203,7 +203,7 @@ def check_compatible(model_dirs: Sequence[Path], base_dir: Path | None = None) -
             "model_type": first.config.get("model_type"), "tie_word_embeddings": first.tied}
 
 
-def merge_model_dirs(recipe: Recipe, model_dirs: Sequence[Path], out_dir: Path, base_dir: Path | None = None,
+def merge_model_dirs(recipe: Recipe, model_dirs: Sequence[Path], out_dir: Path, base_model_dir: Path | None = None,
                      dtype: torch.dtype | None = None, progress: bool = False, threads: int | None = 1) -> dict:
     """Merge HF model directories into out_dir (model.safetensors with model 0's names and order, config.json and
     tokenizer files copied from model 0, MANIFEST.json), streaming tensor by tensor; out_dir appears atomically.
@@ -215,8 +215,8 @@ def merge_model_dirs(recipe: Recipe, model_dirs: Sequence[Path], out_dir: Path, 
     t0 = time.perf_counter()
     model_dirs = [Path(d) for d in model_dirs]
     use_base = recipe.method in Recipe.NEEDS_BASE
-    recipe.check_models(len(model_dirs), base_dir is not None)
-    models, base = _open_all(model_dirs, Path(base_dir) if base_dir is not None and use_base else None)
+    recipe.check_models(len(model_dirs), base_model_dir is not None)
+    models, base = _open_all(model_dirs, Path(base_model_dir) if base_model_dir is not None and use_base else None)
     first, out_dir = models[0], Path(out_dir)
     specs = {}
     for n in first.order:
