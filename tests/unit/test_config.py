@@ -95,6 +95,48 @@ def test_legacy_flat_keys_map_to_fields(tmp_path):
     assert cfg.outer.num_workers == 3
 
 
+# a value each aliased key's own check refuses (out of range or not allowed), whichever name it is given under
+REFUSED = {"project_name": "a/b", "base_dir": "", "edt.initial_population": [""], "edt.max_generations": 0,
+           "eval.batch_size": 0, "edt.mutation_probability": 1.5, "edt.mutation_strength": -0.1, "edt.elitism": -1,
+           "outer.lr": 0, "outer.momentum": 1.5, "outer.nesterov": "yes", "outer.num_workers": 0,
+           "edt.population_size": -1}
+
+
+def _nested(key: str, value) -> dict:
+    """"edt.elitism", 3 -> {"edt": {"elitism": 3}}: the structured spelling."""
+    *sections, leaf = key.split(".")
+    raw = {leaf: value}
+    for s in reversed(sections):
+        raw = {s: raw}
+    return raw
+
+
+def _wrong_type(key: str):
+    """A value of the wrong JSON type for the field `key`: a number for a string field, else a string."""
+    cls, *path, leaf = [RunConfig, *key.split(".")]
+    for part in path:
+        cls = typing.get_type_hints(cls)[part]
+    typ = typing.get_type_hints(cls)[leaf]
+    return 5 if typ is str or str in typing.get_args(typ) else "x"
+
+
+@pytest.mark.parametrize("alias", list(LEGACY_KEYS))
+def test_every_alias_goes_through_the_checks_of_its_key(tmp_path, alias):
+    """Issue #25: an alias is only another spelling: its value is refused exactly when, and as, the structured key's
+    is, and the error names the alias as written before the key (in the file and as an override)."""
+    key = LEGACY_KEYS[alias]
+    assert set(REFUSED) == set(LEGACY_KEYS.values())  # a new alias needs a refused value here
+    for value in (_wrong_type(key), REFUSED[key]):
+        path = str(_write(tmp_path / "evolution.json", {}))
+        want = _err(tmp_path, _nested(key, value))
+        assert want.startswith(f"{path}: {key}"), want
+        assert _err(tmp_path, {alias: value}) == want.replace(f"{path}: ", f"{path}: {alias}: ", 1)
+        assert _err(tmp_path, {}, [f"{alias}={json.dumps(value)}"]) == \
+            want.replace(f"{path}: ", f"{path}: {alias}: ", 1)
+        # given under its structured name the override's error stays the key's own
+        assert _err(tmp_path, {alias: 1}, [f"{key}={json.dumps(value)}"]) == want
+
+
 @pytest.mark.parametrize("raw", [
     {"OUTER_LR": 0.5, "outer": {"lr": 0.6}},
     {"outer": {"lr": 0.6}, "OUTER_LR": 0.5},

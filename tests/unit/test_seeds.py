@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shlex
 from pathlib import Path
 
@@ -316,3 +317,34 @@ def test_pretrain_prototype_config(tmp_path, caplog):
     assert (cfg.edt.max_generations, cfg.eval.batch_size, cfg.edt.elitism, cfg.project_name) == \
         (32, 8, 0, "Smol_Baseline")
     assert len(notes) == 1 and "LOCAL_PACKAGE" in notes[0]
+
+
+@pytest.mark.parametrize("alias", ["POPULATION_SIZE", "population_size"])
+def test_a_prototype_population_of_zero_is_refused_not_replaced(tmp_path, caplog, alias):
+    """Issue #25: the prototypes' population_size counts the members (seeds 000 and 001: 8 is 8 members). Our
+    edt.population_size = 0 means one member per worker, which the prototype's 0 never meant: under a prototype's
+    name 0 is refused, naming the key as written, instead of quietly running outer.num_workers members."""
+    with pytest.raises(ConfigError) as ei:
+        _load(tmp_path, {"BASE_DIR": "/mnt/shared/edt_run", alias: 0}, caplog)
+    msg = str(ei.value)
+    assert msg.startswith(f"{tmp_path / 'evolution.json'}: {alias}: edt.population_size = 0: must be >= 1"), msg
+    assert "edt.population_size = 0" in msg.split("leave it out or set ")[1] and len(msg.splitlines()) == 1
+    cfg, _ = _load(tmp_path, {"BASE_DIR": "/mnt/shared/edt_run", "edt": {"population_size": 0}}, caplog)
+    assert cfg.edt.population_size == 0  # the structured key keeps its meaning: outer.num_workers members
+
+
+def test_every_prototype_sentinel_is_refused_under_every_alias_of_its_key():
+    """A value our key reads as "derive it" (PROTOTYPE_SENTINELS) is refused under each prototype alias of the key
+    and accepted under the key itself."""
+    from train.core.config import LEGACY_KEYS, PROTOTYPE_SENTINELS, build_config
+
+    for key, (value, _) in PROTOTYPE_SENTINELS.items():
+        aliases = [a for a, k in LEGACY_KEYS.items() if k == key]
+        assert aliases, key
+        for alias in aliases:
+            with pytest.raises(ConfigError, match=re.escape(f"<defaults>: {alias}: {key} = {json.dumps(value)}: ")):
+                build_config({alias: value})
+            with pytest.raises(ConfigError, match=re.escape(f"<defaults>: {alias}: {key} = ")):
+                build_config({}, [f"{alias}={json.dumps(value)}"])
+        *section, leaf = key.split(".")
+        build_config({section[0]: {leaf: value}} if section else {leaf: value})

@@ -1,0 +1,230 @@
+"""The schema of the two training loops: `inner` (each worker's AdamW / Muon steps) and `outer` (the DiLoCo round:
+the outer step, the exchange over BASE_DIR, elastic membership). Part of RunConfig (train/core/config_schema.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from train.core.config_fields import bad_value, check_choice, check_range, doc
+
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+PRECISION_ALIASES = {"fp32": "fp32", "32": "fp32", "float32": "fp32", "bf16": "bf16-mixed",
+                     "bf16-mixed": "bf16-mixed", "bfloat16": "bf16-mixed", "fp16": "fp16-mixed",
+                     "fp16-mixed": "fp16-mixed", "16-mixed": "fp16-mixed", "float16": "fp16-mixed"}
+
+
+@dataclass(kw_only=True)
+class InnerConfig:
+    lr: float = doc(4e-4, "Peak AdamW learning rate of the inner loop (OpenDiLoCo default).")
+    beta1: float = doc(0.9, "AdamW beta1.")
+    beta2: float = doc(0.95, "AdamW beta2.")
+    eps: float = doc(1e-8, "AdamW epsilon.")
+    weight_decay: float = doc(0.1, "AdamW decoupled weight decay λ (each step θ ← θ − lr_t·λ·θ); also Muon's.")
+    weight_decay_mode: str = doc("fixed", "fixed (`weight_decay` as given) or inverse_steps (Charles et al. 2025: "
+                                          "independent weight decay 1/T, i.e. λ = 1 / (T·lr) with T = the schedule's "
+                                          "total inner steps, so each step at the peak lr decays by 1/T; "
+                                          "`weight_decay` is then unused). EvoMerge's SFT mutation always uses "
+                                          "`weight_decay`.")
+    warmup_steps: int = doc(20, "Linear warmup steps of the inner schedule.")
+    total_steps: int = doc(0, "Length of the cosine schedule in inner steps; 0 = rounds x local_steps (the sum of "
+                              "the rounds' H with outer.local_steps_schedule).")
+    min_lr_ratio: float = doc(0.1, "Cosine floor as a fraction of `lr`.")
+    per_device_batch_size: int = doc(16, "Windows per forward/backward pass.")
+    total_batch_size: int = doc(16, "Windows per optimizer step (per worker); a multiple of per_device_batch_size "
+                                    "(the ratio is the gradient accumulation).")
+    grad_clip: float = doc(1.0, "Clip the global gradient norm to this; 0 = off.")
+    precision: str = doc("auto", "auto (bf16-mixed on a CUDA device with bf16, else fp32), fp32, bf16-mixed or "
+                                 "fp16-mixed (autocast; fp16 uses a grad scaler). Master weights stay fp32.")
+    compile: Any = doc("auto", "torch.compile the model and the loss for the inner loop: true, false or auto (on "
+                               "CUDA, off on CPU).")
+    loss_chunk: Any = doc("auto", "Memory-lean loss: the cross entropy over this many tokens at a time, each "
+                                  "chunk recomputed in the backward pass, so no fp32 copy of the logits and no "
+                                  "full log-probabilities are kept; 0 = in one piece; auto = 4096 on CUDA without "
+                                  "compile (compiled, the loss is fused instead), 0 on CPU.")
+    log_every: int = doc(10, "Read the training loss back from the device every this many steps (for the "
+                             "heartbeat); no step waits for the device in between. Round statistics are exact "
+                             "whatever the value.")
+    optimizer: str = doc("adamw", "adamw, or muon (torch.optim.Muon for the 2-D weight matrices of the hidden "
+                                  "layers; embeddings, output head, norms and biases stay on AdamW, as in MuLoCo).")
+    muon_lr: float = doc(0.02, "Peak Muon learning rate (same warmup + cosine as `lr`; Keller Jordan's scaling "
+                               "by sqrt(max(1, rows/cols))).")
+    muon_momentum: float = doc(0.95, "Muon momentum (Nesterov).")
+    reset_state: bool = doc(False, "Reset the inner optimizer state (AdamW moments, Muon momentum) at the start "
+                                   "of every round; false keeps it across rounds, as DiLoCo does.")
+    device: str = doc("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
+    threads: int = doc(0, "torch CPU threads per worker process; 0 = let torch decide.")
+    nproc_per_node: int = doc(1, "Processes per worker: > 1 starts each worker as a torchrun group (one process per "
+                                 "GPU; gloo on CPU) that splits total_batch_size over its processes.")
+    parallel: str = doc("ddp", "How a multi-process worker holds the model: ddp (a copy per process) or fsdp (FSDP2 "
+                               "fully_shard: parameters, gradients and AdamW state sharded over the processes).")
+
+    def validate(self, p: str) -> None:
+        check_range(self, p, "lr", 0.0, lo_open=True)
+        for b in ("beta1", "beta2"):
+            check_range(self, p, b, 0.0, 1.0)
+        check_range(self, p, "weight_decay", 0.0)
+        check_choice(self, p, "weight_decay_mode", ("fixed", "inverse_steps"))
+        check_range(self, p, "warmup_steps", 0)
+        check_range(self, p, "total_steps", 0)
+        check_range(self, p, "min_lr_ratio", 0.0, 1.0)
+        check_range(self, p, "per_device_batch_size", 1)
+        check_range(self, p, "total_batch_size", 1)
+        check_range(self, p, "grad_clip", 0.0)
+        check_range(self, p, "threads", 0)
+        check_range(self, p, "nproc_per_node", 1)
+        check_choice(self, p, "parallel", ("ddp", "fsdp"))
+        if self.total_batch_size % self.per_device_batch_size:
+            raise bad_value(p + "total_batch_size", self.total_batch_size,
+                            f"must be a multiple of {p}per_device_batch_size ({self.per_device_batch_size})")
+        if self.total_batch_size % (self.per_device_batch_size * self.nproc_per_node):
+            raise bad_value(p + "total_batch_size", self.total_batch_size,
+                            f"must split over {p}nproc_per_node = {self.nproc_per_node} processes: a multiple of "
+                            f"{self.per_device_batch_size * self.nproc_per_node} ({p}per_device_batch_size x nproc)")
+        if str(self.precision) not in PRECISION_ALIASES and self.precision != "auto":
+            raise bad_value(p + "precision", self.precision, f"must be one of {', '.join(PRECISIONS)} or auto")
+        self.precision = PRECISION_ALIASES.get(str(self.precision), self.precision)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise bad_value(p + "device", self.device, "must be auto, cpu, cuda or cuda:N")
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise bad_value(p + "compile", self.compile, "must be true, false or \"auto\"")
+        lc = self.loss_chunk
+        if lc != "auto" and (isinstance(lc, bool) or not isinstance(lc, int) or lc < 0):
+            raise bad_value(p + "loss_chunk", lc, "must be a number of tokens >= 0 (0 = the loss in one piece) or "
+                                                  "\"auto\"")
+        check_range(self, p, "log_every", 1)
+        check_choice(self, p, "optimizer", ("adamw", "muon"))
+        check_range(self, p, "muon_lr", 0.0, lo_open=True)
+        check_range(self, p, "muon_momentum", 0.0, 1.0)
+        if self.optimizer == "muon" and self.nproc_per_node > 1 and self.parallel == "fsdp":
+            raise bad_value(p + "optimizer", "muon", f"does not work with {p}parallel = \"fsdp\": Muon "
+                                                     f"orthogonalises whole weight matrices and FSDP2 holds shards; "
+                                                     f"use {p}parallel = \"ddp\" or {p}optimizer = \"adamw\"")
+        if self.device == "cpu":  # `auto` settles here when it can; on auto / cuda devices the trainer settles it
+            self.precision = "fp32" if self.precision == "auto" else self.precision
+            self.compile = False if self.compile == "auto" else self.compile
+            self.loss_chunk = 0 if self.loss_chunk == "auto" else self.loss_chunk
+
+    @property
+    def grad_accum(self) -> int:
+        return self.total_batch_size // self.per_device_batch_size
+
+
+@dataclass(kw_only=True)
+class OuterConfig:
+    num_workers: int = doc(2, "Workers (DiLoCo replicas); the prototype's NUM_MACHINES.")
+    rounds: int = doc(10, "Outer rounds (DiLoCo) to run.")
+    local_steps: int = doc(50, "H: inner optimizer steps per worker between outer steps.")
+    local_steps_schedule: list = doc([], "An H schedule: [[from_round, H], ...] with increasing from_round; H of "
+                                         "round r is that of the last entry with from_round <= r (local_steps "
+                                         "before the first). E.g. [[0, 10], [10, 30]]: H = 10 for rounds 0-9, then "
+                                         "30. The DiLoCo file protocol (diloco.py, diloco_sim.py, the launcher); "
+                                         "EDT and DiLoCoOptimizer use local_steps.")
+    lr: float = doc(1.0, "Outer SGD learning rate. 1.0 with momentum 0 (parameter averaging) was best in our "
+                         "sweep at the embedded scale (docs/benchmarks.md); the DiLoCo paper uses 0.7.")
+    momentum: float = doc(0.0, "Outer SGD momentum; the DiLoCo paper uses 0.9 (Nesterov) at larger scale and H.")
+    nesterov: bool = doc(True, "Nesterov momentum for the outer step.")
+    min_workers: int = doc(1, "After `round_timeout_s`, commit the round if at least this many deltas arrived.")
+    round_timeout_s: float = doc(1800.0, "Seconds the reducer waits for all deltas before going on without the "
+                                         "missing workers.")
+    dead_after_s: float = doc(10.0, "A worker whose heartbeat lease (rewritten every second) has not changed for "
+                                    "this long is dead: the round goes on without it (at once when it exited or "
+                                    "left, or its process is gone on the coordinator's host). docs/elastic.md.")
+    startup_grace_s: float = doc(120.0, "Extra seconds, on top of dead_after_s, that a worker without a fresh "
+                                        "heartbeat gets when the coordinator starts or resumes (workers import "
+                                        "torch, read the data and load the model first).")
+    straggler_factor: float = doc(3.0, "Once a quorum (max(min_workers, half the workers)) arrived, wait at most "
+                                       "this x the median recent time-to-quorum (never less than dead_after_s) for "
+                                       "the rest (a worker whose process (re)started less than dead_after_s + "
+                                       "startup_grace_s ago and has delivered no delta yet is waited for that "
+                                       "long); 0 = off (wait for every live worker).")
+    max_restarts: int = doc(3, "Restarts of a worker process that dies (simulators and the launcher's hosts; "
+                               "backoff 1 s, 2 s, 4 s, ...); the simulators' --max-restarts overrides it.")
+    poll_interval_s: float = doc(0.2, "How often processes look at BASE_DIR for new files (by listing folders, "
+                                      "so an NFS client's lookup cache never delays a round: docs/protocol.md).")
+    io_retry_s: float = doc(120.0, "How long one call on BASE_DIR (read, write, fsync, rename, listing, stat) is "
+                                   "retried after a transient error (EIO, ESTALE, ETIMEDOUT, EAGAIN, ENOLCK: a soft "
+                                   "NFS mount) before the process stops with a one-line error (exit 2; its "
+                                   "supervisor restarts it).")
+    delta_dtype: str = doc("float32", "dtype of published pseudo-gradients: float32, bfloat16 or float16.")
+    keep_rounds: int = doc(2, "Committed rounds kept on disk (older global models and deltas are deleted).")
+    token_weighted: bool = doc(True, "Weight each delta by its tokens (equal weights when off).")
+    compression: str = doc("none", "Codec of the exchange, both ways (docs/compression.md): none (fp32 deltas in "
+                                   "`delta_dtype`, the full global model every round), int8 or int4 (block-wise "
+                                   "absmax), bfloat16 or float16; with a codec, workers send encoded deltas with "
+                                   "error feedback and the coordinator publishes the encoded update θ_{r+1} − θ_r "
+                                   "(with its own error feedback) that every copy of θ applies.")
+    overlap: str = doc("none", "none (a worker waits for θ_{r+1} after publishing), delayed or eager (it goes on "
+                               "training at once and folds θ_{r+1} in one round late; the next segment starts from "
+                               "θ_r + its own progress since its delta (delayed), or θ_r + that progress at the "
+                               "weight the outer step gives one worker, η (1 + μ) / M (eager, Kale et al. 2025); "
+                               "docs/overlap.md). Not with torchrun workers.")
+    overlap_steps: int = doc(0, "With overlap: when a segment folds the new global model in (docs/overlap.md): "
+                                "0 = adaptive, at the first step boundary after θ_{r+1} is committed and read (never "
+                                "waits; runs are not bit-reproducible run to run, a restart still replays exactly); "
+                                "τ = after τ steps, waiting there for the commit if needed (Streaming DiLoCo's τ; "
+                                "reproducible); >= local_steps: at the segment's end (one round late). The worker "
+                                "keeps the progress since the segment's start and takes its delta against θ_{r+1}.")
+    block_size: int = doc(128, "Values per scale of the int8 / int4 codecs (bench/compression.py measures the "
+                               "error against block size).")
+    checkpoint_every: int = doc(20, "With compression: an fp32 global model directory (HF-loadable) and the outer "
+                                    "state every this many rounds (and after the last); processes that start or "
+                                    "restart load the last one and apply the logged updates since.")
+    state_dir: str = doc("", "Where each worker keeps its private resume state (inner optimizer moments, error-"
+                             "feedback residual): empty = its directory on BASE_DIR (a restart on any host resumes "
+                             "exactly); a host-local path (`~` and {worker} allowed) keeps it off the shared disk (a "
+                             "restart on the same host resumes exactly; on another host it resumes with fresh "
+                             "moments and no residual, and logs that).")
+    lr_schedule: str = doc("constant", "Outer learning rate over the rounds (train/core/outer.py outer_lr_at): "
+                                       "constant (`lr` every round) or warmup (linear from lr / W to lr over the "
+                                       "first W = `lr_warmup_rounds` rounds, then `lr`).")
+    lr_warmup_rounds: int = doc(0, "W: rounds of outer-lr warmup when lr_schedule = warmup.")
+    late_weight: float = doc(0.5, "A delta of round r that arrives after round r closed (a straggler past its "
+                                  "deadline): 0 = dropped; w > 0 = folded into round r + 1 with w x its tokens as "
+                                  "its weight (a staleness weight; 0.5 was best in bench/elastic.py --late).")
+
+    def local_steps_at(self, r: int) -> int:
+        """H of round r (local_steps_schedule, else local_steps)."""
+        H = self.local_steps
+        for start, h in self.local_steps_schedule:
+            if start <= r:
+                H = h
+        return H
+
+    def validate(self, p: str) -> None:
+        check_range(self, p, "num_workers", 1)
+        sched = self.local_steps_schedule
+        if not isinstance(sched, list) or not all(
+                isinstance(e, list) and len(e) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+                and e[0] >= 0 and e[1] >= 1 for e in sched):
+            raise bad_value(p + "local_steps_schedule", sched, "must be a list of [from_round, H] pairs of integers "
+                                                               "(from_round >= 0, H >= 1), e.g. [[0, 10], [10, 30]]")
+        if any(b[0] <= a[0] for a, b in zip(sched, sched[1:])):
+            raise bad_value(p + "local_steps_schedule", sched, "from_round must increase from entry to entry")
+        check_choice(self, p, "lr_schedule", ("constant", "warmup"))
+        check_range(self, p, "lr_warmup_rounds", 0)
+        if self.lr_schedule == "warmup" and self.lr_warmup_rounds < 1:
+            raise bad_value(p + "lr_warmup_rounds", self.lr_warmup_rounds,
+                            f"must be >= 1 with {p}lr_schedule = \"warmup\" (or use \"constant\")")
+        check_range(self, p, "rounds", 1)
+        check_range(self, p, "local_steps", 1)
+        check_range(self, p, "lr", 0.0, lo_open=True)
+        check_range(self, p, "momentum", 0.0, 1.0)
+        check_range(self, p, "min_workers", 1, self.num_workers)
+        check_range(self, p, "round_timeout_s", 0.0, lo_open=True)
+        check_range(self, p, "dead_after_s", 2.0)  # > 1 s: at least two lease periods (train/core/heartbeat.py)
+        check_range(self, p, "startup_grace_s", 0.0)
+        check_range(self, p, "straggler_factor", 0.0)
+        check_range(self, p, "late_weight", 0.0, 1.0)
+        check_range(self, p, "max_restarts", 0)
+        check_range(self, p, "poll_interval_s", 0.0, lo_open=True)
+        check_range(self, p, "io_retry_s", 0.0)
+        check_range(self, p, "keep_rounds", 1)
+        check_choice(self, p, "delta_dtype", ("float32", "bfloat16", "float16"))
+        check_choice(self, p, "compression", ("none", "int8", "int4", "bfloat16", "float16"))
+        check_choice(self, p, "overlap", ("none", "delayed", "eager"))
+        check_range(self, p, "overlap_steps", 0)
+        check_range(self, p, "block_size", 8, 1 << 20)
+        check_range(self, p, "checkpoint_every", 1)
+        if self.block_size % 2:
+            raise bad_value(p + "block_size", self.block_size, "must be even (int4 packs two codes per byte)")
