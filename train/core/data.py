@@ -263,7 +263,11 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int, progress: bool = Tr
     key = cache_key(cfg, tokenizer_fingerprint(tokenizer) if tokenizer is not None else "none", vocab_size)
     out = cfg.run_dir / "data" / key
     if not sharedfs.exists(out / "meta.json"):
-        build_token_cache(cfg, tokenizer, vocab_size, out, progress=progress)
+        # tokenizing calls into `datasets`, whose cache lives on BASE_DIR too: a transient shared-disk error in there
+        # starts the (idempotent: temp file + rename) build again rather than ending the run
+        sharedfs.retry("build the token cache in", out,
+                       lambda: build_token_cache(cfg, tokenizer, vocab_size, out, progress=progress),
+                       transient=sharedfs.is_transient_any)
     return out
 
 

@@ -67,11 +67,20 @@ def is_transient(e: BaseException) -> bool:
 def is_transient_any(e: BaseException) -> bool:
     """`is_transient`, or a library's wrapper of such an OSError (safetensors reports `IoError(Os { code: 5 ...`
     as a SafetensorError): for retrying a whole step that calls into libraries (e.g. `save_pretrained`)."""
-    if is_transient(e):
-        return True
     import re
-    m = re.search(r"Os \{ code: (\d+)", str(e))
-    return bool(m) and int(m.group(1)) in TRANSIENT
+
+    seen = set()
+    while e is not None and id(e) not in seen:  # a library may wrap the OSError (raise ... from e)
+        seen.add(id(e))
+        if is_transient(e):
+            return True
+        m = re.search(r"Os \{ code: (\d+)", str(e))
+        if m and int(m.group(1)) in TRANSIENT:
+            return True
+        if isinstance(e, SharedDiskError):
+            return False
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def retry(op: str, path: str | os.PathLike, fn: Callable[[], T], *, budget: float | None = None,
