@@ -11,14 +11,15 @@ reducer); this module adds the run around them: setup, waiting with progress, ev
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 
 import torch
 
+from train.core import sharedfs
 from train.core.background import OneSlot
 from train.core.config import RunConfig
 from train.core.data import TokenData, prepare_data
+from train.core.heartbeat import NO_LEASE, CoordinatorLease, coordinator_lease_path
 from train.core.inner import evaluate
 from train.core.logs import make_metric_logger
 from train.core.model import (build_model, check_model_fits, load_tokenizer, load_weights_into, pick_device,
@@ -32,16 +33,14 @@ from train.exchange.reduce import arrived, prune_rounds
 from train.core.store import (
     PROTOCOL_VERSION,
     RunPaths,
-    atomic_publish_dir,
     atomic_write_json,
     ensure_run_manifest,
     exclusive_lock,
-    new_tmp_dir,
     prepare_run_dir,
+    publish_dir,
     read_json,
     read_jsonl,
     verify_manifest,
-    write_manifest,
 )
 
 log = logging.getLogger("coordinator")
@@ -60,16 +59,21 @@ def run_identity(cfg: RunConfig) -> dict:
 class Coordinator:
     def __init__(self, cfg: RunConfig, progress: bool = True, monitor=None):
         self.cfg = cfg
+        sharedfs.configure(cfg.outer.io_retry_s)
         self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
         self.evals = OneSlot("evaluate")  # a committed round's evaluation and metrics record, off the critical path
+        self.lease = NO_LEASE  # its lease (train/core/heartbeat.py), started by setup() once it holds the lock
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, paths = self.cfg, self.paths
         # one coordinator per run: a second one (a forgotten `diloco.py`, a second launch) would race on commits
-        self._lock_f = exclusive_lock(paths.root / "coordinator.lock", "the coordinator")
+        self._lock_f = exclusive_lock(paths.root / "coordinator.lock", "the coordinator",
+                                      lease=coordinator_lease_path(paths.root))
+        # its lease, from now until it exits (workers say so when it goes silent: train/core/heartbeat.py)
+        self.lease = CoordinatorLease(paths.root).start("preparing", round=paths.latest_committed() or 0)
         # every check a user can fail comes before the run's identity is written (a fixed config then starts clean)
         self.tokenizer = load_tokenizer(cfg) if not cfg.data.fake_data or cfg.model.tokenizer else None
         model = build_model(cfg)
@@ -155,7 +159,7 @@ class Coordinator:
         done = latest - 1
         for w in range(slots):
             f = paths.worker_state(w)
-            if f.is_file():
+            if sharedfs.exists(f):
                 try:
                     done = max(done, int(read_json(f).get("round_done", -1)))
                 except (OSError, ValueError, TypeError):
@@ -230,6 +234,7 @@ class Coordinator:
         H = oc.local_steps_at(r)
         slots, N = self.expected(r)
         self.membership.set_workers(N)
+        self.lease.set("collecting", round=r)
         acc = self.master.new_accumulator(r)
         rejected: dict[int, str] = {}
         t0 = time.monotonic()
@@ -269,6 +274,7 @@ class Coordinator:
                 warned = True
             time.sleep(oc.poll_interval_s)
         bar.close()
+        self.lease.set("reducing", round=r)
         self.membership.record_round()
         self.missing_why = {f"w{w:03d}": v for w, v in why.items()}
         if len(acc.workers) < oc.min_workers:
@@ -287,7 +293,7 @@ class Coordinator:
         if oc.late_weight <= 0 or r == 0:
             return
         for w in self.late_candidates(r):
-            if w in acc.late or w in self._late_rejected or not self.paths.delta_meta(r - 1, w).is_file():
+            if w in acc.late or w in self._late_rejected or not sharedfs.exists(self.paths.delta_meta(r - 1, w)):
                 continue
             try:
                 meta = self.check_slice(r - 1, w, check_sidecar(self.paths, r - 1, w, self.master.delta_codec))
@@ -346,6 +352,7 @@ class Coordinator:
         self.follow_schedule(r + 1 + (oc.overlap != "none"))
         t3 = time.perf_counter()
         record["tail_s"] = round(t3 - t_last, 3)  # last arrival -> committing
+        self.lease.set("committing", round=r)
         # The commit comes before the evaluation: the workers go on with θ_{r+1} while the coordinator evaluates it
         # (evaluating first kept every worker waiting for it, and delayed overlap's fold by as long). The marker
         # carries the metrics record, so a coordinator killed before logging it logs it when it resumes.
@@ -410,6 +417,14 @@ class Coordinator:
 
     # -- the whole run --------------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """The whole run (resumed from the last commit); the coordinator's lease ends saying how it ended."""
+        try:
+            return self._run()
+        except BaseException as e:
+            self.lease.end(e)
+            raise
+
+    def _run(self) -> dict:
         from tqdm import tqdm
 
         self.setup()
@@ -427,15 +442,18 @@ class Coordinator:
             bar.set_postfix(train=f"{rec['train_loss']:.3f}")
             log.info("round %d committed: train loss %.4f, %d deltas%s", r + 1, rec["train_loss"],
                      len(rec["workers_used"]), f", missing {rec['missing']}" if rec["missing"] else "")
+        self.lease.set("finalizing", round=cfg.outer.rounds)
         self.evals.join()  # the last round's evaluation and record
         bar.close()
         self.finalize()
         self.logger.close()
+        self.lease.set("done", round=cfg.outer.rounds)
         self.close()
         return last or (self._last_metrics() or {})
 
     def close(self) -> None:
-        """Give up the coordinator role (its lock), as the end of the process does."""
+        """Give up the coordinator role (its lease's final record, then its lock), as the end of the process does."""
+        self.lease.end()
         if getattr(self, "_lock_f", None) is not None:
             self._lock_f.close()
             self._lock_f = None
@@ -446,14 +464,13 @@ class Coordinator:
         last = paths.latest_committed()
         src = paths.global_dir(last)
         verify_manifest(src)
-        tmp = new_tmp_dir(paths.final)
-        for f in src.iterdir():
-            if f.is_file() and f.name != "MANIFEST.json":
-                shutil.copy2(f, tmp / f.name)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(str(tmp))
-        write_manifest(tmp)
-        atomic_publish_dir(tmp, paths.final)
+        def fill(tmp) -> None:
+            for name in sharedfs.listdir(src):
+                if name != "MANIFEST.json" and not name.startswith("."):
+                    sharedfs.copy_file(src / name, tmp / name)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(tmp))
+        publish_dir(paths.final, fill)
         if self.tokenizer is not None:
             log.info("sample from the final model: %r", self.sample(paths.final))
         if cfg.logging.plot:

@@ -28,6 +28,7 @@ import socket
 import time
 import uuid
 
+from train.core import sharedfs
 from train.core.config import ConfigError, RunConfig
 from train.core.data import TokenData, prepare_data
 from train.edt.breed import (Member, breed, load_job, population_size, write_initial_population)
@@ -35,6 +36,7 @@ from train.edt.modes import mode_of
 from train.edt.store import (EDTPaths, lease_age, member_id, publish_once, read_claim, requeue, server_now,
                              stale_count, tmp_member_dir, write_committed)
 from train.core.evolution import fitness_function, generation_rng, rank_order, rank_pick, tournament
+from train.core.heartbeat import NO_LEASE, CoordinatorLease, coordinator_lease_path
 from train.exchange.membership import Membership, local_pid_alive
 from train.core.logs import make_metric_logger
 from train.core.model import WEIGHTS, build_model, check_model_fits, load_tokenizer
@@ -60,12 +62,14 @@ def run_identity(cfg: RunConfig) -> dict:
 class EDTCoordinator:
     def __init__(self, cfg: RunConfig, progress: bool = True, monitor=None):
         self.cfg = cfg
+        sharedfs.configure(cfg.outer.io_retry_s)
         self.paths = EDTPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
         self.P, self.G = population_size(cfg), cfg.edt.max_generations
         self.fitness = fitness_function(cfg.edt.fitness)
         self._ready = False
+        self.lease = NO_LEASE  # its lease (train/core/heartbeat.py), started by setup() once it holds the lock
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -73,7 +77,10 @@ class EDTCoordinator:
         if self._ready:
             return
         cfg, paths = self.cfg, self.paths
-        self._lock_f = exclusive_lock(paths.root / "coordinator.lock", "the EDT coordinator")  # one per run
+        self._lock_f = exclusive_lock(paths.root / "coordinator.lock", "the EDT coordinator",  # one per run
+                                      lease=coordinator_lease_path(paths.root))
+        # its lease, from now until it exits (workers say so when it goes silent: train/core/heartbeat.py)
+        self.lease = CoordinatorLease(paths.root).start("preparing")
         if paths.run_json.is_file() and read_json(paths.run_json).get("identity", {}).get("strategy") != "edt":
             raise ProtocolError(f"{paths.root} holds a DiLoCo run: give the EDT run another project_name")
         ensure_run_manifest(paths, run_identity(cfg))
@@ -133,6 +140,7 @@ class EDTCoordinator:
         steps = [int(load_job(paths, g, m)["steps"]) for m in range(P)]
         bar = tqdm(total=sum(steps), desc=f"generation {g + 1}/{self.G} mutation steps", unit="step", leave=False,
                    disable=not self.progress, dynamic_ncols=True)
+        self.lease.set("collecting", generation=g)
         next_lease_check = 0.0
         while True:
             self.monitor()
@@ -146,6 +154,7 @@ class EDTCoordinator:
                 next_lease_check = time.monotonic() + min(1.0, self.cfg.edt.job_lease_s / 4)
             time.sleep(self.cfg.outer.poll_interval_s)
         bar.close()
+        self.lease.set("evaluating", generation=g)
 
     def P_of(self, g: int) -> int:
         return self.paths.population(g)
@@ -357,6 +366,7 @@ class EDTCoordinator:
         return members + [p for p in prev if p.dir.is_dir()]
 
     def make_generation(self, g: int, members: list[Member]) -> None:
+        self.lease.set("breeding", generation=g)
         pool = self.pool(g - 1, members)
         positions = {}
         for m in range(self.P):  # the slot's data position continues where its last mutation stopped
@@ -404,6 +414,14 @@ class EDTCoordinator:
 
     # -- the whole run --------------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """The whole run (resumed from the last commit); the coordinator's lease ends saying how it ended."""
+        try:
+            return self._run()
+        except BaseException as e:
+            self.lease.end(e)
+            raise
+
+    def _run(self) -> dict:
         from tqdm import tqdm
 
         self.setup()
@@ -429,13 +447,16 @@ class EDTCoordinator:
             self.make_generation(g + 1, members)
             g += 1
         bar.close()
+        self.lease.set("finalizing", generation=g)
         self.finalize(g, members)
         self.logger.close()
+        self.lease.set("done", generation=g)
         self.close()
         return rec
 
     def close(self) -> None:
-        """Give up the coordinator role (its lock), as the end of the process does."""
+        """Give up the coordinator role (its lease's final record, then its lock), as the end of the process does."""
+        self.lease.end()
         if getattr(self, "_lock_f", None) is not None:
             self._lock_f.close()
             self._lock_f = None

@@ -313,22 +313,31 @@ class Launcher:
             for p in h["processes"]:
                 pr = p.get("progress") or {}
                 where = ""
-                if "generation" in pr or "round" in pr:
+                if p["role"] == "coordinator":  # the run's commits, then what its lease says it does, and when
+                    if run and run.get("committed_generation") is not None:
+                        where = f"gen committed {run['committed_generation']}/{run['generations']}"
+                    elif run:
+                        where = f"committed {run['committed']}/{run['rounds']}"
+                    if pr.get("status"):
+                        at = next((f" {k} {pr[k]}" for k in ("round", "generation") if k in pr), "")
+                        where += f", {pr['status']}{at}"
+                    if "beat_age_s" in pr and p["state"] == "running":
+                        where += f", beat {pr['beat_age_s']:g} s ago"
+                elif "generation" in pr or "round" in pr:
                     where = f"gen {pr['generation']}" if "generation" in pr else f"round {pr['round']}"
                     where += f" {pr.get('status', '')}" + (f" {pr['step']}/{pr['steps']}" if "steps" in pr else "")
-                elif p["role"] == "coordinator" and run and run.get("committed_generation") is not None:
-                    where = f"gen committed {run['committed_generation']}/{run['generations']}"
-                elif p["role"] == "coordinator" and run:
-                    where = f"committed {run['committed']}/{run['rounds']}"
                 elif pr.get("status"):
                     where = pr["status"]
                 last = p.get("log_last", "")
-                rows.append((label, p["role"], p["state"], str(p.get("pid") or ""), where.strip(),
-                             last if len(last) <= 120 else last[:117] + "..."))
+                rows.append((label, p["role"], p.get("summary") or p["state"], str(p.get("pid") or ""),
+                             where.strip(", "), last if len(last) <= 120 else last[:117] + "..."))
         head = ("host", "process", "state", "pid", "round/generation", "last log line")
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
         for r in [head, *rows]:
             self.say("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5])
+        if any(r[2].startswith("stopped: died") for r in rows):
+            self.say("a process that died (killed, or its supervisor was) is started again by `launch` (idempotent): "
+                     "it resumes from its state, the coordinator from its last commit")
         if run:
             last = run.get("last") or {}
             what = f"generation {run['committed_generation']} of {run['generations']}" \

@@ -6,11 +6,15 @@ project checkout, with the machine's interpreter; the last stdout line `EDT-JSON
     start     --config C [--set K=V] --machine LABEL --role worker-000 [--check S] [--max-restarts N] -- ARGV...
               Start ARGV detached (own session = own process group, stdin /dev/null, stdout+stderr appended to
               logs/<role>.log) and record it atomically in launch/<role>.json (host, pid, pgid, log, command, start
-              time, the process's kernel start time). A worker role runs under its supervisor (train/launch/procs.py,
-              the simulators' own: restarted up to N times, default outer.max_restarts; the supervisor leads the
-              process group, the worker is in it). A live process already recorded for the role is reused, never
-              doubled. Fails when the process exits within S seconds (with the log's tail).
-    status    ... --machine LABEL [--role R ...]   the roles' state, pid, last log line, round / generation
+              time, the process's kernel start time). Every role — the workers and the coordinator — runs under
+              its supervisor (train/launch/procs.py, the simulators' own: restarted up to N times, default
+              outer.max_restarts; the supervisor leads the process group, its child is in it; a restarted
+              coordinator resumes from its last commit). A live process already recorded for the role is reused,
+              never doubled (a killed supervisor takes its child with it: the role is then started again). Fails
+              when the process exits within S seconds (with the log's tail).
+    status    ... --machine LABEL [--role R ...]   the roles' state, pid, last log line, round / generation, whether
+              the supervisor lives, the restarts it made, how a process that nobody stopped ended (its lease's
+              last record), and the coordinator's lease: what it does and how long ago it beat
     logs      ... --role R ... [--lines N] [--follow [--for S]]   `role<TAB>line`; follow ends on stdin EOF
     stop      ... --machine LABEL [--role R ...] [--grace S]  SIGTERM (then SIGKILL) exactly the recorded process
               groups of this machine (a supervisor and its worker together: the worker leaves, nothing restarts);
@@ -35,6 +39,7 @@ import time
 from pathlib import Path
 
 from train.core.config import ConfigError, load_config
+from train.core.heartbeat import coordinator_lease_path
 from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, sha256_file
 from train.launch.procs import supervised_argv
 
@@ -123,8 +128,9 @@ def tail(path: Path, n: int) -> list[str]:
 def cmd_start(a, paths: RunPaths, cfg) -> int:
     role = a.role[0]
     restarts = a.max_restarts if a.max_restarts >= 0 else cfg.outer.max_restarts
-    argv = supervised_argv(sys.executable, a.argv, restarts, role.replace("-", " ")) if role.startswith("worker-") \
-        else list(a.argv)
+    name = "the coordinator" if role == "coordinator" else role.replace("-", " ")
+    argv = supervised_argv(sys.executable, a.argv, restarts, name) \
+        if role.startswith("worker-") or role == "coordinator" else list(a.argv)
     rec_file, log_file = record_path(paths, role), log_path(paths, role)
     rec_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -164,16 +170,78 @@ def cmd_start(a, paths: RunPaths, cfg) -> int:
     return answer({**rec, "state": "running", "reused": False})
 
 
-def progress_of(paths: RunPaths, role: str) -> dict:
-    if not role.startswith("worker-"):
-        return {}
+def lease_of(paths: RunPaths, role: str) -> dict | None:
+    """The role's lease (train/core/heartbeat.py): workers/wXXX/progress.json, coordinator/progress.json."""
+    if role == "coordinator":
+        f = coordinator_lease_path(paths.root)
+    elif role.startswith("worker-") and role.split("-")[1].isdigit():
+        f = paths.progress(int(role.split("-")[1]))
+    else:
+        return None
     try:
-        p = read_json(paths.worker_dir(int(role.split("-")[1])) / "progress.json")
+        rec = read_json(f)
     except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def progress_of(paths: RunPaths, role: str) -> dict:
+    p = lease_of(paths, role)
+    if p is None:
         return {}
-    out = {k: p[k] for k in ("status", "round", "generation", "step", "steps", "loss", "time", "beat") if k in p}
+    out = {k: p[k] for k in ("status", "round", "generation", "step", "steps", "loss", "time", "beat", "pid", "error")
+           if k in p}
     if p.get("last_status"):  # a final record: "left" / "exited" after what it was doing
         out["status"] = f"{p['status']} ({p['last_status']})"
+    if p.get("host") == socket.gethostname() and p.get("boot_id") in (None, boot_id()) and \
+            isinstance(p.get("time"), (int, float)):
+        out["beat_age_s"] = round(max(0.0, time.time() - p["time"]), 1)  # this host's clock wrote it: comparable
+    return out
+
+
+def restarts_in_log(path: Path) -> int:
+    """Restarts the supervisor logged since the role's last start (`=== ... launch_to_machines:` header)."""
+    n = 0
+    for ln in tail(path, 2000):
+        if " launch_to_machines: " in ln and ln.startswith("=== "):
+            n = 0
+        elif "; restart " in ln and " in " in ln:
+            n += 1
+    return n
+
+
+def health(rec: dict, paths: RunPaths, role: str, state: str) -> dict:
+    """What `status` adds to running / stopped: the supervisor's state, its restarts, and how a process that
+    nobody stopped ended (its lease's last record; a SIGKILL or a killed supervisor writes none)."""
+    out: dict = {}
+    supervised = bool(rec.get("max_restarts"))
+    if supervised:
+        out["restarts"] = restarts_in_log(Path(rec.get("log") or log_path(paths, role)))
+    if state == "running":
+        leader = _stat(rec["pid"])
+        alive = leader is not None and leader[0] != "Z" and leader[2] == rec.get("proc_start")
+        if supervised:
+            out["supervisor"] = "alive" if alive else "gone"
+        out["summary"] = "running" + (", supervisor gone (its child runs on alone; `launch` cannot restart it until it "
+                                      "ends)" if supervised and not alive else "") + \
+            (f", {out['restarts']} restart{'s' * (out['restarts'] != 1)}" if out.get("restarts") else "")
+        return out
+    if state != "stopped":
+        return out
+    if rec.get("stopped_by"):
+        out["summary"] = f"stopped: {rec['stopped_by']} by `stop`"
+        return out
+    lease = lease_of(paths, role) or {}
+    ended = lease.get("status") in ("exited", "left") and (lease.get("time") or 0) >= (rec.get("started") or 0)
+    if ended and lease.get("error"):
+        out["ended"] = f"failed: {lease['error']}"
+    elif ended:
+        out["ended"] = "left" if lease["status"] == "left" else \
+            "exited (done)" if lease.get("last_status") == "done" else "exited"
+    else:
+        out["ended"] = "died (no final record: killed, or its supervisor was)" + \
+            (f" after {out['restarts']} restarts" if out.get("restarts") else "")
+    out["summary"] = f"stopped: {out['ended']}"
     return out
 
 
@@ -187,6 +255,7 @@ def cmd_status(a, paths: RunPaths, cfg) -> int:
         if rec:
             item.update({k: rec.get(k) for k in ("pid", "pgid", "hostname", "machine", "started", "log")})
             item["state"] = state_of(rec) if rec.get("machine") == a.machine else f"on {rec.get('machine')}"
+            item.update(health(rec, paths, role, item["state"]))
         item["progress"] = progress_of(paths, role)
         out.append(item)
     metrics = read_jsonl(paths.metrics)
