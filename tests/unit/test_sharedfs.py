@@ -163,3 +163,38 @@ def test_json_read_is_retried(tmp_path, monkeypatch):
         return real_open(*a, **k)
     monkeypatch.setattr(builtins, "open", open_fails_once)
     assert read_json(tmp_path / "x.json") == {"k": 1} and state["n"] == 2
+
+
+def test_a_process_the_shared_disk_failed_is_restarted_by_its_supervisor(tmp_path):
+    """SharedDiskError: one line, exit 2 (run_main), and the supervisor restarts it (an ordinary exit 2 is final)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    flag = tmp_path / "failed-once"
+    child = (
+        "import pathlib, sys\n"
+        "from train.core import sharedfs\n"
+        "from train.core.errors import run_main\n"
+        f"flag = pathlib.Path({str(flag)!r})\n"
+        "def main():\n"
+        "    if not flag.exists():\n"
+        "        flag.write_text('x')\n"
+        "        sharedfs.retry('read', '/shared/run/x.json', lambda: (_ for _ in ()).throw(OSError(5, 'EIO')),"
+        " budget=0.01)\n"
+        "    return 0\n"
+        "run_main(main, 'child')\n")
+    out = subprocess.run([sys.executable, "-m", "train.launch.supervise", "--max-restarts", "2", "--name", "worker 7",
+                          "--", sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "/shared/run/x.json: read kept failing" in out.stderr
+    assert "worker 7 exited with status 2; restart 1/2" in out.stderr and "shared disk kept failing" in out.stderr
+
+    user_error = "from train.core.errors import run_main, ConfigError\n" \
+                 "def main():\n    raise ConfigError('evolution.json: outer.lr = -1: must be > 0')\n" \
+                 "run_main(main, 'child')\n"
+    out = subprocess.run([sys.executable, "-m", "train.launch.supervise", "--max-restarts", "2", "--name", "worker 7",
+                          "--", sys.executable, "-c", user_error], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "restart" not in out.stderr, out.stderr

@@ -463,7 +463,7 @@ class CoordinatorWatch:
 
 def pid_alive(pid: int, proc_start: int | None = None) -> bool:
     """Is `pid` a running (not zombie) process of this host, and the same process when its start time is known?
-    (The check of train/exchange/membership.py's local_pid_alive, here for the coordinator's watch.)"""
+    (Workers' leases in train/exchange/membership.py and the coordinator's watch both judge with it.)"""
     if pid <= 0:
         return False  # 0 and negative pids name process groups for os.kill
     try:

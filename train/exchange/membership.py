@@ -40,7 +40,6 @@ round, is what the history keeps: rounds that waited for a straggler or a death 
 from __future__ import annotations
 
 import math
-import os
 import socket
 import statistics
 import time
@@ -48,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from train.core import sharedfs
-from train.core.heartbeat import GONE_STATUSES, boot_id
+from train.core.heartbeat import GONE_STATUSES, boot_id, pid_alive
 from train.core.store import RunPaths, read_json
 
 HISTORY = 10  # rounds whose time-to-quorum makes the straggler deadline
@@ -302,25 +301,7 @@ def _key(rec: dict | None) -> tuple | None:
     return rec.get("lease"), rec.get("beat")
 
 
-def local_pid_alive(pid: int, proc_start: int | None = None) -> bool:
-    """Is `pid` a running (not zombie) process of this host, and the same process when its start time is known?"""
-    if pid <= 0:
-        return False  # 0 and negative pids name process groups for os.kill: never a worker
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: it exists
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            raw = f.read()
-    except OSError:
-        return True  # no /proc (not Linux): os.kill said it exists
-    fields = raw[raw.rindex(")") + 2:].split()
-    if fields[0] in ("Z", "X"):
-        return False
-    return proc_start is None or int(fields[19]) == proc_start
+local_pid_alive = pid_alive  # one pid check (train/core/heartbeat.py), the name membership's callers use
 
 
 def workers_alive(paths: RunPaths, num_workers: int, outer, watch_s: float = 2.5,

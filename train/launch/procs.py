@@ -34,13 +34,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 from train.core.config import REPO_ROOT
 from train.core.heartbeat import parent_died
-from train.core.errors import EXIT_USER_ERROR, WorkerDied  # noqa: F401  (raised here)
+from train.core.errors import EXIT_NOTE_ENV, EXIT_USER_ERROR, WorkerDied  # noqa: F401  (raised here)
 
 log = logging.getLogger("supervise")
 sim_log = logging.getLogger("simulator")  # the simulators' own lines about their children
@@ -77,13 +78,14 @@ class Restarts:
         self.max, self.base, self.cap, self.used = max_restarts, base, cap, 0
 
     @staticmethod
-    def final(rc: int) -> bool:
-        """Exit 0 (done, or left), exit 2 (a user error) and a death by SIGTERM / SIGINT are not restarted."""
-        return rc in (0, EXIT_USER_ERROR) or (rc < 0 and -rc in STOP_SIGNALS)
+    def final(rc: int, retryable: bool = False) -> bool:
+        """Exit 0 (done, or left), exit 2 (a user error) and a death by SIGTERM / SIGINT are not restarted; an exit 2
+        the process marked `retryable` (the shared disk kept failing: train/core/errors.py) is, like a crash."""
+        return rc == 0 or (rc == EXIT_USER_ERROR and not retryable) or (rc < 0 and -rc in STOP_SIGNALS)
 
-    def next_delay(self, rc: int) -> float | None:
+    def next_delay(self, rc: int, retryable: bool = False) -> float | None:
         """Seconds to wait before restarting after exit `rc`, counting the restart; None: do not restart."""
-        if self.final(rc) or self.used >= self.max:
+        if self.final(rc, retryable) or self.used >= self.max:
             return None
         delay = min(self.cap, self.base * 2 ** self.used)
         self.used += 1
@@ -125,24 +127,34 @@ def supervise(argv: list[str], max_restarts: int, name: str = "worker") -> tuple
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    while True:
-        try:
-            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-        except OSError as e:
-            log.error("%s: cannot run %r: %s", name, argv[0], e)
-            return 127, (stopped_by or [None])[0]
-        child[:] = [p]
-        rc = p.wait()
-        if stop.is_set():
-            return rc, stopped_by[0]
-        delay = policy.next_delay(rc)
-        if delay is None:
-            if not policy.final(rc):
-                log.error("%s %s; no restarts left (%d used)", name, describe_exit(rc), policy.used)
-            return rc, None
-        log.warning("%s (it was pid %d)", policy.line(name, rc, delay), p.pid)
-        if stop.wait(delay):
-            return rc, stopped_by[0]
+    # the child writes "retryable" here when its exit 2 is not the user's to fix (the shared disk kept failing)
+    fd, note = tempfile.mkstemp(prefix="edt-exit-note-")
+    os.close(fd)
+    env = {**os.environ, EXIT_NOTE_ENV: note}
+    try:
+        while True:
+            Path(note).write_text("")
+            try:
+                p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
+            except OSError as e:
+                log.error("%s: cannot run %r: %s", name, argv[0], e)
+                return 127, (stopped_by or [None])[0]
+            child[:] = [p]
+            rc = p.wait()
+            if stop.is_set():
+                return rc, stopped_by[0]
+            retryable = rc == EXIT_USER_ERROR and Path(note).read_text().strip() == "retryable"
+            delay = policy.next_delay(rc, retryable)
+            if delay is None:
+                if not policy.final(rc, retryable):
+                    log.error("%s %s; no restarts left (%d used)", name, describe_exit(rc), policy.used)
+                return rc, None
+            why = " (the shared disk kept failing)" if retryable else ""
+            log.warning("%s%s (it was pid %d)", policy.line(name, rc, delay), why, p.pid)
+            if stop.wait(delay):
+                return rc, stopped_by[0]
+    finally:
+        Path(note).unlink(missing_ok=True)
 
 
 def die_with_parent() -> None:

@@ -310,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
             coord = start_coordinator(path, ovs, cfg)
         worker = Worker(cfg, args.world_rank)
 
+        watch = worker.monitor  # the worker's own watch (the coordinator's lease): kept, and run first
+
         def monitor() -> None:
+            watch()
             if coord is not None and coord.poll() not in (None, 0):
                 raise ProtocolError(f"the coordinator exited with status {coord.returncode}; see "
                                     f"{cfg.run_dir / 'logs' / 'coordinator.log'}")
