@@ -13,8 +13,9 @@ import torch
 
 from conftest import REPO, pin_threads, tiny_config
 from helpers_proc import kill_all, run_script, start_script, wait_until
-from train.edt.store import (EDTPaths, holds_claim, publish_once, renew_lease, requeue, stale_count,
-                             tmp_member_dir, try_claim)
+from train.edt.store import EDTPaths
+from train.edt.protocol import (holds_claim, publish_once, renew_lease, requeue, stale_count,
+                                tmp_member_dir, try_claim)
 from train.core.store import read_json, read_jsonl, verify_manifest
 
 EDT = {"max_generations": 2, "mutation_steps": 4, "job_lease_s": 30}

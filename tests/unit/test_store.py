@@ -6,7 +6,8 @@ import json
 import pytest
 
 from train.core.store import (MANIFEST, PROTOCOL_VERSION, ProtocolError, RunPaths, append_jsonl, atomic_write,
-                              atomic_write_bytes, atomic_write_json, ensure_run_manifest, read_json, read_jsonl,
+                              atomic_write_bytes, atomic_write_json, ensure_run_manifest, exclusive_lock, read_json,
+                              read_jsonl,
                               sha256_file, verify_manifest, write_manifest)
 
 
@@ -212,3 +213,36 @@ def test_exclusive_lock_admits_one_holder_and_names_it(tmp_path):
         exclusive_lock(tmp_path / "run" / "coordinator.lock", "the coordinator")
     first.close()  # released (as when the process exits): the next one gets it
     exclusive_lock(tmp_path / "run" / "coordinator.lock", "the coordinator").close()
+
+
+def test_without_file_locks_the_roles_lease_decides(tmp_path, monkeypatch, caplog):
+    """NFSv3 without lockd: flock fails with ENOLCK. The lock is then only advisory and the role's heartbeat lease
+    decides: a lease that beats refuses a second holder; a silent (dead) one does not."""
+    import errno
+    import fcntl
+    import threading
+    import time as time_
+
+    def no_locks(f, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lease = tmp_path / "run" / "coordinator" / "progress.json"
+    atomic_write_json(lease, {"beat": 1, "pid": 999999, "host": "other", "status": "collecting"})
+    stop = threading.Event()
+
+    def beat():
+        n = 1
+        while not stop.wait(0.2):
+            n += 1
+            atomic_write_json(lease, {"beat": n, "pid": 999999, "host": "other", "status": "collecting"})
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        with pytest.raises(ProtocolError, match="already running .*pid 999999 on other.*lease"):
+            exclusive_lock(tmp_path / "run" / "coordinator.lock", "the coordinator", lease=lease, watch_s=1.5)
+    finally:
+        stop.set()
+        t.join()
+    assert "file locks are not supported" in caplog.text
+    time_.sleep(0.1)
+    exclusive_lock(tmp_path / "run" / "coordinator.lock", "the coordinator", lease=lease, watch_s=0.6).release()

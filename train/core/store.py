@@ -45,9 +45,9 @@ log = logging.getLogger("store")
 
 def exclusive_lock(path: str | os.PathLike, what: str, lease: str | os.PathLike | None = None,
                    watch_s: float = 2.5):
-    """Hold an exclusive flock on `path` (NFSv4 maps it to a byte-range lock) until the returned file is closed or
-    the process exits: one live process per role (`what`, e.g. "worker 3", "the coordinator"). The holder's pid and
-    host are written into the file for the error message of the next one.
+    """Hold an exclusive flock on `path` (NFSv4 maps it to a byte-range lock) until the returned RoleLock is
+    released or the process exits: one live process per role (`what`, e.g. "worker 3", "the coordinator"). The
+    holder's pid and host are written into the file for the error message of the next one.
 
     Where the disk has no locks (NFSv3 without lockd: flock fails with ENOLCK; mounted `nolock`, locks are local to
     each client and say nothing about other machines), the role's lease decides: `lease` is the heartbeat file of
@@ -89,7 +89,25 @@ def exclusive_lock(path: str | os.PathLike, what: str, lease: str | os.PathLike 
             raise ProtocolError(f"{what} is already running ({holder}: its lease {lease} is beating); stop it first")
     me = f"pid {os.getpid()} on {socket.gethostname()}".encode()
     sharedfs.retry("write", path, lambda: (os.ftruncate(f.fileno(), 0), os.pwrite(f.fileno(), me, 0)))
-    return f
+    return RoleLock(f)
+
+
+class RoleLock:
+    """A held `exclusive_lock`; `release()` (idempotent) gives it back. NO_LOCK: the null object before one is
+    taken, so `close()` methods call `release()` without asking."""
+
+    def __init__(self, f=None):
+        self._f = f
+
+    def release(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            f.close()
+
+    close = release
+
+
+NO_LOCK = RoleLock()
 
 
 def live_lease(lease: Path, watch_s: float) -> str | None:

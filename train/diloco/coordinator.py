@@ -30,7 +30,9 @@ from train.exchange.master import OuterMaster
 from train.exchange.membership import Membership, workers_alive
 from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
 from train.exchange.reduce import arrived, prune_rounds
+from train.diloco.overlap import for_config
 from train.core.store import (
+    NO_LOCK,
     PROTOCOL_VERSION,
     RunPaths,
     atomic_write_json,
@@ -59,11 +61,14 @@ def run_identity(cfg: RunConfig) -> dict:
 class Coordinator:
     def __init__(self, cfg: RunConfig, progress: bool = True, monitor=None):
         self.cfg = cfg
+        self._lock_f = NO_LOCK  # the coordinator's lock, taken in setup()
         sharedfs.configure(cfg.outer.io_retry_s)
         self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
         self.evals = OneSlot("evaluate")  # a committed round's evaluation and metrics record, off the critical path
+        # outer.overlap (docs/overlap.md): how many rounds past the latest commit workers may be training
+        self.ahead = for_config(cfg.outer).rounds_ahead
         self.lease = NO_LEASE  # its lease (train/core/heartbeat.py), started by setup() once it holds the lock
 
     # -- setup ----------------------------------------------------------------------------------------------------
@@ -85,7 +90,7 @@ class Coordinator:
         self.data = TokenData.open(data_dir, cfg.data.seq_length, cfg.data.eval_fraction)
         self.check_data_size()
         self.layout = self.plan_layout()  # before round 0's commit: workers read it when they start
-        self.follow_schedule((paths.latest_committed() or 0) + (cfg.outer.overlap != "none"), lo=self._free_round)
+        self.follow_schedule((paths.latest_committed() or 0) + self.ahead, lo=self._free_round)
         self.eval_windows = torch.from_numpy(self.data.eval_windows(cfg.eval.batches * cfg.eval.batch_size))
         self.device = pick_device(cfg.inner.device)
         self.model = model.to(self.device)
@@ -96,9 +101,8 @@ class Coordinator:
                      sum(p.numel() for p in model.parameters()) / 1e6)
             save_model_dir(model, paths.global_dir(0))
             # committed first, evaluated after: the workers start while the coordinator evaluates θ_0
-            atomic_write_json(paths.committed(0), {"round": 0, "time": time.time(), "protocol": PROTOCOL_VERSION,
-                                                   "record": {"round": 0, "time": time.time(), "tokens": 0,
-                                                              "inner_steps": 0}})
+            commit(paths, 0, {"protocol": PROTOCOL_VERSION, "record": {"round": 0, "time": time.time(), "tokens": 0,
+                                                                       "inner_steps": 0}})
         self.membership = Membership(paths, self.expected(paths.latest_committed())[1], cfg.outer)
         self.membership.join_from = self.layout.last["slots"]
         self.master = OuterMaster(paths, cfg.outer, cfg.outer.rounds)
@@ -169,7 +173,7 @@ class Coordinator:
             done, r = max(done, r), r + 1
         start = max(latest, done + 1, lay.last["from_round"])
         if workers_alive(paths, slots, oc):  # they may be training the next round(s) now
-            start += 1 + (oc.overlap != "none")
+            start += 1 + self.ahead
         return start
 
     def admit_joiners(self, r: int) -> None:
@@ -179,7 +183,7 @@ class Coordinator:
         joiners = self.membership.joiners()
         if not joiners:
             return
-        start = max(r + 1 + (self.cfg.outer.overlap != "none"), lay.last["from_round"])
+        start = max(r + 1 + self.ahead, lay.last["from_round"])
         slots = lay.last["slots"] + len(joiners)
         lay.resize(start, slots, self.round_windows(start), f"join: worker(s) {joiners} at round {start}")
         lay.save(self.paths)
@@ -349,7 +353,7 @@ class Coordinator:
             record["data"].update({f"w{w:03d}@{r - 1}": [m["data"]["offset"], m["data"]["read"]]
                                    for w, m in acc.late.items()})
         self.admit_joiners(r)
-        self.follow_schedule(r + 1 + (oc.overlap != "none"))
+        self.follow_schedule(r + 1 + self.ahead)
         t3 = time.perf_counter()
         record["tail_s"] = round(t3 - t_last, 3)  # last arrival -> committing
         self.lease.set("committing", round=r)
@@ -412,7 +416,7 @@ class Coordinator:
         """Delete rounds older than the last `keep_rounds` committed ones (θ_0 stays: it is the run's template)."""
         # overlap: workers start a segment from θ_{r−1} while round r is open: keep one round more
         oc = self.cfg.outer
-        prune_rounds(self.paths, latest, oc.keep_rounds + (oc.overlap != "none"),
+        prune_rounds(self.paths, latest, oc.keep_rounds + self.ahead,
                      before_checkpoint=int(oc.late_weight > 0 and oc.compression != "none"))
 
     # -- the whole run --------------------------------------------------------------------------------------------
@@ -454,9 +458,7 @@ class Coordinator:
     def close(self) -> None:
         """Give up the coordinator role (its lease's final record, then its lock), as the end of the process does."""
         self.lease.end()
-        if getattr(self, "_lock_f", None) is not None:
-            self._lock_f.close()
-            self._lock_f = None
+        self._lock_f.release()
 
     def finalize(self) -> None:
         """final/ = the last global model + tokenizer (from_pretrained-loadable), and loss.png."""

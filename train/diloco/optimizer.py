@@ -56,8 +56,8 @@ from train.core.errors import NotFound
 from train.core.model import WEIGHTS
 from train.exchange.protocol import commit, delta_sidecar, publish_sidecar, round_record, write_delta
 from train.exchange.reduce import arrived, param_order, prune_rounds, validate_and_reduce
-from train.core.store import (PROTOCOL_VERSION, ProtocolError, RunPaths, append_jsonl, ensure_run_manifest,
-                              exclusive_lock, publish_dir, read_json, read_jsonl, wait_for)
+from train.core.store import (NO_LOCK, PROTOCOL_VERSION, ProtocolError, RunPaths, append_jsonl,
+                              ensure_run_manifest, exclusive_lock, publish_dir, read_json, read_jsonl, wait_for)
 from train.core.tensorio import DTYPE_BY_NAME, StreamingWriter, iter_tensors
 
 log = logging.getLogger("diloco_optimizer")
@@ -128,6 +128,7 @@ class DiLoCoOptimizer:
         self.averaging_timeout, self.min_workers, self.poll = averaging_timeout, min_workers, poll_interval
         self.delta_dtype, self.token_weighted, self.keep_rounds = delta_dtype, token_weighted, keep_rounds
         self.paths = RunPaths(Path(base_dir) / run_id)
+        self._lock_f = NO_LOCK  # this worker's lock, taken when it first touches the run
         self._source = params if isinstance(params, torch.nn.Module) else None
         self.params = named_params(params)
         self.inner_optimizer = inner_optimizer(list(self.params.values()))
@@ -189,9 +190,7 @@ class DiLoCoOptimizer:
 
     def close(self) -> None:
         """Release this worker id (its lock); the process exiting does the same."""
-        if getattr(self, "_lock_f", None) is not None:
-            self._lock_f.close()
-            self._lock_f = None
+        self._lock_f.release()
 
     # -- joining the run ------------------------------------------------------------------------------------------
     def identity(self) -> dict:

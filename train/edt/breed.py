@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Callable
 
 from train.core.config import ConfigError, RunConfig
+from train.edt.protocol import publish_job
 from train.edt.store import EDTPaths, member_id
 from train.core.evolution import (crossover_dna, decode, fit_dna, generation_rng, mutate_dna, random_dna, select_pairs)
 from train.merge.crossover import MergeSpec, ParentFiles, merge_files
 from train.core.model import WEIGHTS, build_model, model_source
-from train.core.store import PROTOCOL_VERSION, atomic_write_json, publish_dir, read_json
+from train.core.store import PROTOCOL_VERSION, read_json
 
 log = logging.getLogger("edt-coordinator")
 
@@ -67,15 +68,6 @@ def job_record(cfg: RunConfig, g: int, m: int, genome: dict, position: dict, opt
             "schedule_step": g * S, "schedule_total": cfg.inner.total_steps or cfg.edt.max_generations * S,
             "population": population_size(cfg), "hyper": genome["hyper"], "position": position,
             "optimizer_from": optimizer_from, "genome": genome}
-
-
-def publish_job(paths: EDTPaths, g: int, m: int, fill: Callable[[Path], str | None], job: dict) -> None:
-    """jobs/mXXX/ as one unit: `fill(tmp)` writes the model files (returns the weights' sha256 if known)."""
-    def fill_job(tmp: Path) -> dict | None:
-        sha = fill(tmp)
-        atomic_write_json(tmp / "job.json", job)
-        return {WEIGHTS: sha} if sha else None
-    publish_dir(paths.job_dir(g, m), fill_job)
 
 
 # -- generation 0 ----------------------------------------------------------------------------------------------------

@@ -19,10 +19,8 @@ the same generation (weights, optimizer state and the pre-mutation weights a cro
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import shutil
 import socket
 import time
@@ -33,16 +31,17 @@ from train.core.config import ConfigError, RunConfig
 from train.core.data import TokenData, prepare_data
 from train.edt.breed import (Member, breed, load_job, population_size, write_initial_population)
 from train.edt.modes import mode_of
-from train.edt.store import (EDTPaths, lease_age, member_id, publish_once, read_claim, requeue, server_now,
-                             stale_count, tmp_member_dir, write_committed)
+from train.edt.protocol import (create_claim, lease_age, mark_pruned, publish_member, read_claim, requeue,
+                                server_now, stale_count, write_committed, write_done, write_evaluated, write_genome)
+from train.edt.store import EDTPaths, member_id
 from train.core.evolution import fitness_function, generation_rng, rank_order, rank_pick, tournament
 from train.core.heartbeat import NO_LEASE, CoordinatorLease, coordinator_lease_path
 from train.exchange.membership import Membership, local_pid_alive
 from train.core.logs import make_metric_logger
 from train.core.model import WEIGHTS, build_model, check_model_fits, load_tokenizer
-from train.core.store import (MANIFEST, ProtocolError, append_jsonl, atomic_publish_dir, atomic_write_json,
-                              ensure_run_manifest, exclusive_lock, new_tmp_dir, prepare_run_dir, read_json, read_jsonl,
-                              verify_manifest, write_manifest)
+from train.core.store import (MANIFEST, NO_LOCK, ProtocolError, atomic_write_json, ensure_run_manifest,
+                              exclusive_lock, prepare_run_dir, publish_dir, read_json, read_jsonl, verify_manifest,
+                              write_manifest)
 from train.core.tensorio import read_header
 from train.merge.crossover import ParentFiles
 
@@ -62,6 +61,7 @@ def run_identity(cfg: RunConfig) -> dict:
 class EDTCoordinator:
     def __init__(self, cfg: RunConfig, progress: bool = True, monitor=None):
         self.cfg = cfg
+        self._lock_f = NO_LOCK  # the coordinator's lock, taken in setup()
         sharedfs.configure(cfg.outer.io_retry_s)
         self.paths = EDTPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.progress = progress and cfg.logging.progress
@@ -234,31 +234,26 @@ class EDTCoordinator:
         src = done[tournament(fit, cfg.edt.tournament_size, rng) if cfg.edt.selection == "tournament" else
                    rank_pick(fit, rng)]
         attempt = f"refill-{uuid.uuid4().hex[:8]}"
-        tmp = tmp_member_dir(paths, g, m, attempt)
-        try:
+
+        def fill(tmp) -> tuple[dict, None]:
             nbytes = 0
-            for f in src.dir.iterdir():
-                if f.is_file() and f.name not in (MANIFEST, "result.json", "genome.json"):
-                    shutil.copy2(f, tmp / f.name)
-                    nbytes += f.stat().st_size
+            for name in sharedfs.listdir(src.dir):
+                if name not in (MANIFEST, "result.json", "genome.json") and not name.startswith("."):
+                    sharedfs.copy_file(src.dir / name, tmp / name)
+                    nbytes += sharedfs.stat(tmp / name).st_size
             for f in (WEIGHTS, "outer_momentum.safetensors"):  # what a crossover reads as the parent's base
                 pre = paths.job_dir(g, src.m) / f
-                if pre.is_file():
-                    shutil.copy2(pre, tmp / f"pre-{f}")
-                    nbytes += pre.stat().st_size
+                if sharedfs.exists(pre):
+                    sharedfs.copy_file(pre, tmp / f"pre-{f}")
+                    nbytes += sharedfs.stat(pre).st_size
             job = load_job(paths, g, m)
             genome = {**src.genome, "id": member_id(g, m), "member": m, "elite": False, "refilled": True,
                       "refill_reason": why, "copy_of": src.id, "replaced": job["genome"].get("parents", [])}
-            result = {**src.result, "generation": g, "member": m, "attempt": attempt, "worker": None,
-                      "refilled": True, "refill_reason": why, "copy_of": src.id, "genome": genome, "steps": 0,
-                      "tokens": 0, "train_loss": None, "position": job["position"], "bytes_read": nbytes,
-                      "bytes_written": nbytes, "time": time.time()}
-            atomic_write_json(tmp / "result.json", result)
-            write_manifest(tmp)
-            published = publish_once(tmp, paths.member_dir(g, m))
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            return {**src.result, "generation": g, "member": m, "attempt": attempt, "worker": None,
+                    "refilled": True, "refill_reason": why, "copy_of": src.id, "genome": genome, "steps": 0,
+                    "tokens": 0, "train_loss": None, "position": job["position"], "bytes_read": nbytes,
+                    "bytes_written": nbytes, "time": time.time()}, None
+        _, published = publish_member(paths, g, m, attempt, fill)
         if read_claim(paths, g, m) is not None:
             paths.claim(g, m).unlink(missing_ok=True)
         self._refill_wait.discard((g, m))
@@ -269,16 +264,7 @@ class EDTCoordinator:
 
     def _hold_claim(self, g: int, m: int, why: str) -> bool:
         """The coordinator's own claim on job (g, m) (O_EXCL, like a worker's): no worker takes the job again."""
-        try:
-            fd = os.open(self.paths.claim(g, m), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            json.dump({"worker": REFILL_WORKER, "pid": os.getpid(), "host": socket.gethostname(),
-                       "attempt": f"refill-{g}-{m}", "reason": why, "time": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        return True
+        return create_claim(self.paths, g, m, {"worker": REFILL_WORKER, "attempt": f"refill-{g}-{m}", "reason": why})
 
     # -- evaluation of one generation -----------------------------------------------------------------------------
     def load_member(self, g: int, m: int) -> Member:
@@ -317,14 +303,9 @@ class EDTCoordinator:
             if mb.result.get("refilled"):  # a copy of another member (the slot's job kept failing)
                 genome.update(refilled=True, refill_reason=mb.result.get("refill_reason"),
                               copy_of=mb.result.get("copy_of"))
-            if mb.dir.is_dir():
-                atomic_write_json(paths.genome(g, mb.m), genome)
-            if mb.id not in logged:
-                append_jsonl(paths.lineage, genome)
+            write_genome(paths, g, mb.m, genome, new_in_lineage=mb.id not in logged)
         best = members[rank_order([mb.fitness for mb in members])[0]]
-        atomic_write_json(paths.gen_dir(g) / "EVALUATED.json", {"generation": g, "best": best.m, "best_id": best.id,
-                                                                "fitness": {f"m{mb.m:03d}": mb.fitness for mb in
-                                                                            members}})
+        write_evaluated(paths, g, best.m, best.id, {f"m{mb.m:03d}": mb.fitness for mb in members})
         if not any(r.get("generation") == g for r in read_jsonl(paths.metrics)):
             self.logger.log(self.metrics_record(g, members))
         return members
@@ -401,7 +382,7 @@ class EDTCoordinator:
                     continue
                 shutil.rmtree(trash, ignore_errors=True)
             self._drop_optimizer(self.paths.member_dir(d, best))
-            atomic_write_json(self.paths.gen_dir(d) / "PRUNED", {"kept": member_id(d, best), "time": time.time()})
+            mark_pruned(self.paths, d, member_id(d, best))
 
     @staticmethod
     def _drop_optimizer(member_dir) -> None:
@@ -457,9 +438,7 @@ class EDTCoordinator:
     def close(self) -> None:
         """Give up the coordinator role (its lease's final record, then its lock), as the end of the process does."""
         self.lease.end()
-        if getattr(self, "_lock_f", None) is not None:
-            self._lock_f.close()
-            self._lock_f = None
+        self._lock_f.release()
 
     def plots(self) -> None:
         if self.cfg.logging.plot:
@@ -472,16 +451,15 @@ class EDTCoordinator:
         paths = self.paths
         best = members[rank_order([mb.fitness for mb in members])[0]]
         verify_manifest(best.dir, check_hashes=False)
-        tmp = new_tmp_dir(paths.final)
-        for f in best.dir.iterdir():
-            if f.is_file() and f.name not in (MANIFEST, "optimizer.safetensors"):
-                shutil.copy2(f, tmp / f.name)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(str(tmp))
-        write_manifest(tmp)
-        atomic_publish_dir(tmp, paths.final)
+        def fill(tmp) -> None:
+            for name in sharedfs.listdir(best.dir):
+                if name not in (MANIFEST, "optimizer.safetensors") and not name.startswith("."):
+                    sharedfs.copy_file(best.dir / name, tmp / name)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(tmp))
+        publish_dir(paths.final, fill)
         mode_of(self.cfg).finish(self, best.id)
-        atomic_write_json(paths.done, {"generations": g + 1, "best": best.id, "time": time.time()})
+        write_done(paths, g + 1, best.id)
         log.info("final model (%s, eval loss %s) in %s", best.id, _fmt(best.result.get("eval_loss")), paths.final)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
@@ -28,28 +27,18 @@ import numpy as np
 import torch
 
 from train.core.config import ConfigError, RunConfig
-from train.edt.store import (
-    EDTPaths,
-    publish_once,
-    read_claim,
-    release_claim,
-    renew_lease,
-    requeue,
-    tmp_member_dir,
-    try_claim,
-)
+from train.edt.protocol import publish_member, read_claim, release_claim, renew_lease, requeue, try_claim
+from train.edt.store import EDTPaths
 from train.edt.modes import mode_of
 from train.core.model import WEIGHTS, load_weights_into, pick_device
 from train.core import sharedfs
 from train.core.store import (
     PROTOCOL_VERSION,
     ProtocolError,
-    atomic_write_json,
     exclusive_lock,
     prepare_run_dir,
     read_json,
     wait_for,
-    write_manifest,
 )
 from train.core.tensorio import StreamingWriter, read_header
 from train.core.heartbeat import CoordinatorWatch, Heartbeat
@@ -194,29 +183,26 @@ class EDTWorker:
     # -- one job --------------------------------------------------------------------------------------------------
     def run_job(self, g: int, m: int, attempt: str) -> None:
         cfg, paths = self.cfg, self.paths
-        tmp = None
         try:
             with LeaseKeeper(paths, g, m, attempt, cfg.edt.job_lease_s / 4) as lease:
                 job = read_json(paths.job_json(g, m))
                 log.info("job g%d/m%d (attempt %s): %d steps, genes %s", g, m, attempt, job["steps"],
                          {k: round(v, 5) if isinstance(v, float) else v for k, v in job["hyper"].items()})
-                tmp = tmp_member_dir(paths, g, m, attempt)
-                result = self._mutate_and_evaluate(g, m, attempt, job, lease, tmp)
-                lease.check()
-                published = publish_once(tmp, paths.member_dir(g, m))
+                result, published = publish_member(
+                    paths, g, m, attempt, lambda tmp: self._mutate_and_evaluate(g, m, attempt, job, lease, tmp),
+                    check=lease.check)
             if published:
-                tmp = None
                 log.info("job g%d/m%d done: eval loss %.4f, train loss %s", g, m, result["eval_loss"],
                          "-" if result["train_loss"] is None else f"{result['train_loss']:.4f}")
             else:
                 log.warning("job g%d/m%d was already published by another attempt: ours dropped", g, m)
         finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
             release_claim(paths, g, m, attempt)
             self.hb.beat(force=True, status="idle", generation=g)
 
-    def _mutate_and_evaluate(self, g: int, m: int, attempt: str, job: dict, lease: LeaseKeeper, tmp) -> dict:
+    def _mutate_and_evaluate(self, g: int, m: int, attempt: str, job: dict, lease: LeaseKeeper,
+                             tmp) -> tuple[dict, dict]:
+        """Mutate the job's model into `tmp` (members/mXXX/ before its rename); returns (result, known hashes)."""
         cfg, paths = self.cfg, self.paths
         job_dir = paths.job_dir(g, m)
         if self.model is None:
@@ -236,8 +222,8 @@ class EDTWorker:
 
         # members/mYYY/: the job's config files, the mutated weights (in the job file's order), optimizer state.
         for fname in ("config.json", "generation_config.json"):
-            if (job_dir / fname).is_file():
-                shutil.copy2(job_dir / fname, tmp / fname)
+            if sharedfs.exists(job_dir / fname):
+                sharedfs.copy_file(job_dir / fname, tmp / fname)
         header = read_header(job_dir / WEIGHTS)[0]
         names = sorted(header, key=lambda k: header[k]["data_offsets"][0])
         params = dict(self.model.named_parameters())
@@ -248,11 +234,9 @@ class EDTWorker:
         finite = all(v is None or bool(np.isfinite(v)) for v in (out["eval_loss"], out["train_loss"]))
         result = {"protocol": PROTOCOL_VERSION, "generation": g, "member": m, "attempt": attempt, "worker": self.w,
                   "host": socket.gethostname(), **out, "steps": steps, "hyper": job["hyper"], "finite": finite,
-                  "weights_sha256": wr.sha256, "bytes_read": (job_dir / WEIGHTS).stat().st_size + out["bytes_read"],
-                  "bytes_written": wr.nbytes + out["bytes_written"], "time": time.time()}
-        atomic_write_json(tmp / "result.json", result)
-        write_manifest(tmp, hashes={WEIGHTS: wr.sha256})
-        return result
+                  "weights_sha256": wr.sha256, "bytes_read": sharedfs.stat(job_dir / WEIGHTS).st_size +
+                  out["bytes_read"], "bytes_written": wr.nbytes + out["bytes_written"], "time": time.time()}
+        return result, {WEIGHTS: wr.sha256}
 
 
 def main(argv: list[str] | None = None) -> int:
