@@ -15,7 +15,6 @@ Cluster (the launcher runs this next to the workers; see docs/edt.md):
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from train.core.evolution import (GENES, crossover_dna, decode, fitness_function, mutate_dna, rank_order,  # noqa: F401
@@ -24,20 +23,12 @@ from train.edt.lineage import load_lineage, load_population, plot_fitness, plot_
 from train.merge.crossover import (curve_value, interpolate, lerp, merge_files, outer_sgd_crossover,  # noqa: F401
                                    outer_sgd_tensor, slerp, t_for)
 from train.core.store import RunPaths, read_jsonl
+from train.launch.cli import add_edt_args  # noqa: F401  (public: the EDT flags, for scripts that wrap edt.py)
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
     """The metrics.jsonl records of an EDT run folder (BASE_DIR/<project>), one per evaluated generation."""
     return read_jsonl(RunPaths(run_dir).metrics)
-
-
-def add_edt_args(ap: argparse.ArgumentParser) -> None:
-    """Config flags plus the EDT shortcuts (--generations, --population map to edt.* keys)."""
-    from train.launch.cli import add_config_args
-
-    add_config_args(ap)
-    ap.add_argument("--generations", type=int, help="edt.max_generations")
-    ap.add_argument("--population", type=int, help="edt.population_size (0 = one member per worker)")
 
 
 def main() -> int:

@@ -30,7 +30,7 @@ explicit worker id. It speaks the coordinator's protocol (train/core/store.py) u
   is saved as rounds/r/outer_state.safetensors — keyed by parameter name for `momentum_buffer`, which is the
   coordinator's layout, and `name::key` for any other state — and read back every round, so a restarted reducer
   (or a different one) resumes it. With SGD(lr, momentum, nesterov=True) this is exactly the coordinator's step
-  (train/core/outer.py; tests/test_diloco_optimizer.py checks both). Hyperparameter changes of the outer optimizer
+  (train/core/outer.py; tests/e2e/test_diloco_optimizer.py checks both). Hyperparameter changes of the outer optimizer
   between restarts (lr schedules) are not persisted.
 - Resume: constructing the optimizer again on the same base_dir/run_id continues at the latest committed round
   (its parameters are loaded into the model). The inner optimizer's state and the scheduler are the user's:
@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import torch
 
-from train.core.errors import NotFound
+from train.core.errors import NotFound, TimedOut
 from train.core.model import WEIGHTS
 from train.exchange.protocol import commit, delta_sidecar, publish_sidecar, round_record, write_delta
 from train.exchange.reduce import arrived, param_order, prune_rounds, validate_and_reduce
@@ -261,9 +261,9 @@ class DiLoCoOptimizer:
     def _wait(self, pred: Callable[[], Any], what: str) -> Any:
         got = wait_for(pred, self.averaging_timeout, self.poll)
         if not got:
-            raise TimeoutError(f"worker {self.worker}: no {what} in {self.paths.root} after averaging_timeout = "
-                               f"{self.averaging_timeout:g}s (is worker {self.reducer}, the reducer, running? "
-                               f"raise averaging_timeout if the workers' speeds differ a lot)")
+            raise TimedOut(f"worker {self.worker}: no {what} in {self.paths.root} after averaging_timeout = "
+                           f"{self.averaging_timeout:g}s (is worker {self.reducer}, the reducer, running? "
+                           f"raise averaging_timeout if the workers' speeds differ a lot)")
         return got
 
     # -- the outer round ------------------------------------------------------------------------------------------
@@ -342,9 +342,9 @@ class DiLoCoOptimizer:
         if not got:
             missing = [w for w in range(N) if w not in workers]
             if len(workers) < self.min_workers:
-                raise TimeoutError(f"round {r}: {len(workers)}/{N} deltas after averaging_timeout = "
-                                   f"{self.averaging_timeout:g}s (min_workers = {self.min_workers}); missing "
-                                   f"workers {missing}. Start them (the run resumes here) or lower min_workers.")
+                raise TimedOut(f"round {r}: {len(workers)}/{N} deltas after averaging_timeout = "
+                               f"{self.averaging_timeout:g}s (min_workers = {self.min_workers}); missing "
+                               f"workers {missing}. Start them (the run resumes here) or lower min_workers.")
             log.warning("round %d: timeout; going on with %d/%d deltas, missing %s", r, len(workers), N, missing)
         t_wait = time.perf_counter() - t0
         ok, metas, rejected, io = validate_and_reduce(

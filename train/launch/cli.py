@@ -34,6 +34,16 @@ def add_config_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def add_edt_args(ap: argparse.ArgumentParser) -> None:
+    """Config flags plus the EDT shortcuts (--generations, --population map to edt.* keys)."""
+    add_config_args(ap)
+    ap.add_argument("--generations", type=int, help="edt.max_generations")
+    ap.add_argument("--population", type=int, help="edt.population_size (0 = one member per worker)")
+
+
+ARGS = {"diloco": add_config_args, "edt": add_edt_args}  # each strategy's config flags
+
+
 def overrides_from(args: argparse.Namespace) -> list[str]:
     import json
     out = []

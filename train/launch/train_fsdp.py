@@ -11,7 +11,7 @@ runs elsewhere. Each flag maps onto one config key (FLAG_TO_KEY; README "Multi-G
 OpenDiLoCo-style CLI"). A seed flag whose job is done otherwise here is accepted with a one-line note saying how
 (NOTED: hivemind peers, activation logging; nearest sharding strategy; checkpoint interval rounded to a round end);
 one with no counterpart fails with what to use instead (UNSUPPORTED). `plan(argv, world)` does all of this without
-training (tests/test_seeds.py runs every seed command line through it).
+training (tests/unit/test_seeds.py runs every seed command line through it).
 """
 from __future__ import annotations
 
@@ -294,9 +294,8 @@ def start_coordinator(path: str, ovs: list[str], cfg: RunConfig) -> subprocess.P
 
 def main(argv: list[str] | None = None) -> int:
     from train.core.dist import get_dist_info
-    from train.core.errors import setup_logging
+    from train.core.errors import ProtocolError, UserError, setup_logging
     from train.core.model import quiet_transformers
-    from train.core.store import ProtocolError
     from train.diloco.worker import Worker
 
     info = get_dist_info()
@@ -323,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             rc = coord.wait()  # it still writes the final model and plot after the last round
             if rc:
                 raise ProtocolError(f"the coordinator exited with status {rc}; see {cfg.run_dir}/logs/coordinator.log")
-    except (ConfigError, ProtocolError) as e:
+    except UserError as e:  # one line and exit 2 (run_main does the same; tests call main() itself)
         if info.main:
-            log.error("%s", e)
+            log.error("%s", " ".join(str(e).split("\n")))
         return 2
     finally:
         if coord is not None and coord.poll() is None:
@@ -334,4 +333,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from train.core.errors import run_main
+    run_main(main, "train_fsdp")

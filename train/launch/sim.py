@@ -1,0 +1,38 @@
+"""The body of both simulators (`python diloco_sim.py`, `python edt_sim.py`): parse, check, run every process of
+the strategy on this machine (train/launch/local_run.py), say where the results are."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def sim_main(strategy: str, doc: str) -> int:
+    from train.core.model import quiet_transformers
+    from train.core.strategies import STRATEGIES
+    from train.launch.cli import ARGS, load_from_args, preflight
+    from train.launch.local_run import run_local
+
+    strat = STRATEGIES[strategy]
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ARGS[strategy](ap)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per worker process (default: cores / worker processes)")
+    ap.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                    help="restart a process that dies (a worker, the coordinator, a supervisor) up to N times "
+                         "(backoff 1 s, 2 s, 4 s, ...; default: outer.max_restarts, 3); 0: a death stops the run")
+    args = ap.parse_args()
+    cfg, overrides = load_from_args(args, strategy=strategy)
+    quiet_transformers()
+    preflight(cfg, strategy)
+    log = logging.getLogger(f"{strategy}_sim")
+    log.info("%s", strat.summary(cfg))
+    rec, paths = run_local(strat, cfg, cfg.source if cfg.source != "<defaults>" else args.config, overrides,
+                           args.threads, args.max_restarts)
+    if strategy == "edt":
+        log.info("done: best eval loss %s in generation %s; final model: %s; plots: %s, %s",
+                 rec.get("best_eval_loss"), rec.get("generation"), paths.final, paths.root / "lineage.png",
+                 paths.root / "fitness.png")
+    else:
+        log.info("done: eval loss %s after %s rounds; final model: %s; plot: %s", rec.get("eval_loss"),
+                 rec.get("round"), paths.final, paths.plot)
+    return 0
