@@ -59,16 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.launch.cli import overrides_from
-    from train.core.errors import UserError
-    from train.launch.machines import load_machines
-    from train.launch.launcher import Launcher, fail
-    from train.launch.ssh import SSHError, SSHOptions
-
+    """The subcommand's exit status: 0 done, 1 some host failed (its summary says which). A user error (a bad
+    config or machines.json, an unreachable host where it ends the command: SSHError) goes up to run_main."""
     import logging
 
-    from train.core.errors import setup_logging
-    setup_logging("launcher")  # info lines: the derived worker count, config notes
+    from train.launch.cli import overrides_from
+    from train.launch.launcher import Launcher
+    from train.launch.machines import load_machines
+    from train.launch.ssh import SSHOptions
+
     logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # its errors reach us as SSHError, with the fix
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = next((x for x in argv if x in COMMANDS), None)
@@ -80,32 +79,21 @@ def main(argv: list[str] | None = None) -> int:
         cmd = "launch"  # the prototype's `python launch_to_machines.py`
     argv = ([cmd] if cmd else []) + argv
     a = build_parser().parse_args(argv)
-    try:
-        machines = load_machines(a.machines)
-        opts = SSHOptions(known_hosts=a.known_hosts, accept_new_host_keys=a.accept_new_host_keys,
-                          connect_timeout=a.connect_timeout)
-        ln = Launcher(machines, a.config, overrides_from(a), opts, timeout=a.timeout, strategy=a.strategy)
-        if a.command == "launch":
-            return ln.launch(a.strategy, a.dry_run, a.keep_on_failure, a.check_seconds)
-        if a.command == "status":
-            return ln.status(a.dry_run, a.json)
-        if a.command == "logs":
-            return ln.logs(a.host, a.lines, a.follow, a.for_s, a.dry_run)
-        if a.command == "stop":
-            return ln.stop(a.dry_run, a.grace)
-        return ln.preflight(a.dry_run)
-    except UserError as e:
-        return fail(str(e))
-    except OSError as e:
-        if not getattr(e, "filename", None):
-            raise
-        return fail(f"{e.filename}: {e.strerror or e}")
-    except SSHError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    machines = load_machines(a.machines)
+    opts = SSHOptions(known_hosts=a.known_hosts, accept_new_host_keys=a.accept_new_host_keys,
+                      connect_timeout=a.connect_timeout)
+    ln = Launcher(machines, a.config, overrides_from(a), opts, timeout=a.timeout, strategy=a.strategy)
+    if a.command == "launch":
+        return ln.launch(a.strategy, a.dry_run, a.keep_on_failure, a.check_seconds)
+    if a.command == "status":
+        return ln.status(a.dry_run, a.json)
+    if a.command == "logs":
+        return ln.logs(a.host, a.lines, a.follow, a.for_s, a.dry_run)
+    if a.command == "stop":
+        return ln.stop(a.dry_run, a.grace)
+    return ln.preflight(a.dry_run)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from train.core.errors import run_main
+    run_main(main, "launcher", cli=True)  # info lines (the derived worker count, config notes) on stderr

@@ -14,15 +14,18 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
 
 def build(corpus_dir: Path, out_dir: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from train.core.errors import NotFound
+
     files = sorted(str(p) for p in corpus_dir.glob("*.txt"))
     if not files:
-        sys.exit(f"error: no *.txt files in {corpus_dir}")
+        raise NotFound(f"--corpus {corpus_dir}: no *.txt files in this folder (the plain-text corpus to train on)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -40,7 +43,6 @@ def build(corpus_dir: Path, out_dir: Path, vocab_size: int) -> None:
     # The chat template (train/evomerge/sft.py: plain-text <|user|>/<|assistant|> markers, no new tokens, so the
     # vocabulary and
     # every token cache stay as they are) goes into tokenizer_config.json, where every transformers version reads it.
-    sys.path.insert(0, str(REPO))
     from train.evomerge.sft import DEFAULT_CHAT_TEMPLATE
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -50,14 +52,16 @@ def build(corpus_dir: Path, out_dir: Path, vocab_size: int) -> None:
     print(f"tokenizer with {fast.vocab_size} tokens from {len(files)} files -> {out_dir}")
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", type=Path, default=REPO / "data" / "corpus")
     ap.add_argument("--out", type=Path, default=REPO / "data" / "tokenizer")
     ap.add_argument("--vocab-size", type=int, default=2048)
     args = ap.parse_args()
     build(args.corpus, args.out, args.vocab_size)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from train.core.errors import run_main
+    run_main(main, "build_tokenizer", cli=True)

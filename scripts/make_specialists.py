@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def main() -> None:
+def main() -> int:
     from train.evomerge.tasks import TASKS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,17 +51,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     quiet_transformers()
-    try:
-        make_specialists(args.out, tuple(args.tasks), base_steps=args.base_steps, steps=args.steps,
-                         batch_size=args.batch_size, lr=args.lr, specialist_lr=args.specialist_lr,
-                         min_lr_ratio=args.min_lr_ratio, jobs=args.jobs, eval_items=args.eval_items, seed=args.seed,
-                         model_config=args.model_config)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    make_specialists(args.out, tuple(args.tasks), base_steps=args.base_steps, steps=args.steps,
+                     batch_size=args.batch_size, lr=args.lr, specialist_lr=args.specialist_lr,
+                     min_lr_ratio=args.min_lr_ratio, jobs=args.jobs, eval_items=args.eval_items, seed=args.seed,
+                     model_config=args.model_config)
     print(markdown_table(read_json(args.out / "accuracy.json")))
     print(f"models and accuracy.json / accuracy.md in {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from train.core.errors import run_main
+    run_main(main, "make_specialists", cli=True)

@@ -18,6 +18,12 @@ def render(page: str) -> str:
     return re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, page, flags=re.S)
 
 
-if __name__ == "__main__":
+def main() -> int:
     TARGET.write_text(render(TARGET.read_text()))
     print(f"updated {TARGET}")
+    return 0
+
+
+if __name__ == "__main__":
+    from train.core.errors import run_main
+    run_main(main, "update_config_doc", cli=True)

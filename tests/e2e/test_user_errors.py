@@ -1,7 +1,10 @@
-"""Every user error is one line and exit 2, never a traceback, and nothing of a run is written (issue #11)."""
+"""Every user error is one line and exit 2, never a traceback, and nothing of a run is written (issues #11, #25)."""
 from __future__ import annotations
 
+import errno
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +166,108 @@ run_main(main, "w", background_log=True)
         assert p.returncode == 2 and lines[-1].endswith("evolution.json: outer.lr: bad")
     else:
         assert p.returncode == 1 and lines.index(logged[-1]) < lines.index("Traceback (most recent call last):")
+
+
+# -- every entry point (issue #25) ------------------------------------------------------------------------------------
+# Each program a user runs, with a bad input that it refuses before any heavy work: (argv after `python`, text the
+# one line must hold). BAD is a config with a bad value; {tmp} a temp folder. None: no input to get wrong (it runs
+# through run_main all the same). Not here: bench/ (benchmarks keep argparse's errors) and examples/
+# (a user's own loop, where DiLoCoOptimizer raises ValueError like a torch optimizer).
+BAD = "{tmp}/bad.json"
+ENTRY_POINTS = {
+    "diloco_sim.py": (["diloco_sim.py", "--config", BAD], "outer.lr = -1"),
+    "edt_sim.py": (["edt_sim.py", "--config", BAD], "outer.lr = -1"),
+    "diloco.py": (["diloco.py", "--config", BAD], "outer.lr = -1"),
+    "edt.py": (["edt.py", "--config", BAD], "outer.lr = -1"),
+    "launch_to_machines.py": (["launch_to_machines.py", "status", "--machines", "{tmp}/machines.json", "--config",
+                               BAD], "error: {tmp}/bad.json: outer.lr = -1"),
+    "train/diloco/worker.py": (["-m", "train.diloco.worker", "--config", BAD, "--worker", "0"], "outer.lr = -1"),
+    "train/edt/worker.py": (["-m", "train.edt.worker", "--config", BAD, "--worker", "0"], "outer.lr = -1"),
+    "train/launch/train_fsdp.py": (["train/launch/train_fsdp.py", "--set", "outer.lr=-1"], "outer.lr = -1"),
+    "train/launch/remote.py": (["-m", "train.launch.remote", "status", "--config", BAD, "--machine", "m1"],
+                               'EDT-JSON {"error": "{tmp}/bad.json: outer.lr = -1'),
+    "train/launch/supervise.py": (["-m", "train.launch.supervise", "--name", "worker 0", "--", "{tmp}/no-python"],
+                                  "worker 0: cannot run '{tmp}/no-python' (No such file or directory)"),
+    "train/core/config.py": (["-m", "train.core.config", BAD], "error: {tmp}/bad.json: outer.lr = -1"),
+    "scripts/build_tokenizer.py": (["scripts/build_tokenizer.py", "--corpus", "{tmp}", "--out", "{tmp}/tok"],
+                                   "error: --corpus {tmp}: no *.txt files"),
+    "scripts/make_specialists.py": (["scripts/make_specialists.py", "--model-config", "{tmp}/nope.json", "--out",
+                                     "{tmp}/models"], "error: model config {tmp}/nope.json: no such file"),
+    "train/merge/__main__.py": (["-m", "train.merge", "{tmp}/nope.yml", "{tmp}/out"],
+                                "error: {tmp}/nope.yml: no such file"),
+    "scripts/update_config_doc.py": None,
+    "scripts/mergekit_reference.py": None,  # regenerates tests/data/mergekit: a developer's tool, no input
+}
+
+
+def test_the_table_names_every_entry_point():
+    """A new program with a `__main__` joins ENTRY_POINTS (and so runs through run_main with a bad input below)."""
+    found = set()
+    for f in REPO.rglob("*.py"):
+        rel = f.relative_to(REPO).as_posix()
+        if rel.split("/")[0] in ("bench", "examples", "tests", "build") or "/." in f"/{rel}":
+            continue
+        if re.search(r'^if __name__ == "__main__":', f.read_text(), re.M):
+            found.add(rel)
+            assert "run_main(" in f.read_text(), f"{rel}: its __main__ goes through train.core.errors.run_main"
+    assert found == set(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("name", [k for k, v in ENTRY_POINTS.items() if v is not None])
+def test_every_entry_point_says_a_bad_input_in_one_line(tmp_path, name):
+    (tmp_path / "bad.json").write_text(json.dumps({"outer": {"lr": -1}}))
+    (tmp_path / "machines.json").write_text(json.dumps(["gpu1"]))
+    argv, needle = ENTRY_POINTS[name]
+    p = run_script(*[a.replace("{tmp}", str(tmp_path)) for a in argv], timeout=120)
+    out = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert "Traceback" not in p.stderr and len(out) == 1, out
+    assert needle.replace("{tmp}", str(tmp_path)) in out[0], out[0]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["bad.json", "machines.json"]  # nothing written
+
+
+def test_error_classes_keep_the_builtins_callers_catch():
+    from train.core.errors import MergeError, ModelError, ProtocolError, TimedOut
+    from train.launch.ssh import SSHError
+
+    assert MergeError is ModelError and issubclass(ModelError, ValueError) and issubclass(ConfigError, ValueError)
+    assert issubclass(TimedOut, UserError) and issubclass(TimedOut, TimeoutError)
+    assert issubclass(ProtocolError, RuntimeError) and issubclass(SSHError, UserError)
+
+
+def test_run_main_cli_prints_argparse_style_lines(capsys):
+    def user():
+        raise NotFound("machines.json: no such file\n(a JSON list of hosts)")
+
+    with pytest.raises(SystemExit) as ei:
+        run_main(user, "t", cli=True)
+    assert ei.value.code == 2
+    assert capsys.readouterr().err == "error: machines.json: no such file (a JSON list of hosts)\n"
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as ei:
+        run_main(interrupted, "t", cli=True)
+    assert ei.value.code == 130 and "every child process was stopped" not in capsys.readouterr().err
+
+
+class DatasetGenerationError(Exception):  # what `datasets` wraps a failed cache write into
+    __module__ = "datasets.builder"
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_disk_error_building_the_token_cache_is_one_line(tmp_path, monkeypatch, wrapped):
+    from train.core import data
+
+    def full(*a, **k):
+        e = OSError(errno.ENOSPC, "No space left on device")  # a write() fails without a file name
+        if not wrapped:
+            raise e
+        raise DatasetGenerationError("An error occurred while generating the dataset") from e
+
+    monkeypatch.setattr(data, "build_token_cache", full)
+    cfg = load_config(REPO / "evolution.json", [f"base_dir={tmp_path}", "data.fake_data=true"])
+    with pytest.raises(EnvironmentProblem, match=r"cannot build the token cache there: No space left on device\. "
+                                                 r"Check that base_dir is on a writable disk with space"):
+        data.prepare_data(cfg, None, 256, progress=False)

@@ -46,8 +46,14 @@ if __name__ == "__main__":
     import json
     import sys
 
-    if "--markdown" in sys.argv:
-        print(reference_markdown())
-    else:
-        cfg = load_config(sys.argv[1] if len(sys.argv) > 1 else None, sys.argv[2:])
-        print(json.dumps(cfg.to_dict(), indent=2))
+    from train.core.errors import run_main
+
+    def main() -> int:
+        if "--markdown" in sys.argv:
+            print(reference_markdown())
+        else:
+            cfg = load_config(sys.argv[1] if len(sys.argv) > 1 else None, sys.argv[2:])
+            print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+
+    run_main(main, "config", cli=True)

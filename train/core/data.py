@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from train.core import sharedfs
-from train.core.errors import DataError, NotFound
+from train.core.errors import DataError, EnvironmentProblem, NotFound, TimedOut, UserError
 from train.core.config import RunConfig
 from train.core.store import atomic_write_json, read_json, wait_for
 
@@ -265,10 +265,37 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int, progress: bool = Tr
     if not sharedfs.exists(out / "meta.json"):
         # tokenizing calls into `datasets`, whose cache lives on BASE_DIR too: a transient shared-disk error in there
         # starts the (idempotent: temp file + rename) build again rather than ending the run
-        sharedfs.retry("build the token cache in", out,
-                       lambda: build_token_cache(cfg, tokenizer, vocab_size, out, progress=progress),
-                       transient=sharedfs.is_transient_any)
+        try:
+            sharedfs.retry("build the token cache in", out,
+                           lambda: build_token_cache(cfg, tokenizer, vocab_size, out, progress=progress),
+                           transient=sharedfs.is_transient_any)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001  (only a disk error is turned into a user error; the rest re-raised)
+            err = _disk_error(e)
+            if err is None:
+                raise
+            where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+            raise EnvironmentProblem(
+                f"{out}: cannot build the token cache there: {err.strerror or err}{where}. Check that base_dir is on "
+                f"a writable disk with space: the token cache and the dataset's own cache "
+                f"({cfg.run_dir / 'data' / 'hf_cache'}) live there") from e
     return out
+
+
+def _disk_error(e: BaseException) -> OSError | None:
+    """The OSError that `e` is, or that `datasets` wrapped into its own error (DatasetGenerationError ... from e)."""
+    if isinstance(e, OSError):
+        return e
+    if not type(e).__module__.startswith("datasets"):
+        return None
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def find_data(cfg: RunConfig, timeout: float | None = None) -> Path:
@@ -276,5 +303,6 @@ def find_data(cfg: RunConfig, timeout: float | None = None) -> Path:
     pointer = cfg.run_dir / "data" / "current.json"
     got = wait_for(lambda: sharedfs.exists(pointer), timeout, cfg.outer.poll_interval_s)
     if not got:
-        raise TimeoutError(f"{pointer}: the coordinator has not prepared the data yet")
+        raise TimedOut(f"{pointer}: the coordinator has not prepared the data after {timeout:g} s: is it running? "
+                       f"(its log: {cfg.run_dir / 'logs' / 'coordinator.log'})")
     return cfg.run_dir / "data" / read_json(pointer)["key"]

@@ -6,7 +6,7 @@ what to do, and `run_main` prints it as one line and exits 2. Anything else is a
 
     from train.core.errors import run_main
     if __name__ == "__main__":
-        run_main(main, "diloco_sim")
+        run_main(main, "diloco_sim")               # a command (the launcher, scripts/): cli=True, `error: ...`
 
 Set `EDT_TRACEBACK=1` to see the traceback of a user error too (e.g. when reporting a bug in a message).
 """
@@ -23,19 +23,30 @@ EXIT_INTERRUPTED = 130
 
 
 class UserError(Exception):
-    """Base of every error the user can fix; printed as one line, exit 2."""
+    """Base of every error the user can fix; printed as one line, exit 2.
+
+    The subclasses also derive from the builtin a library caller would catch (`ValueError` for a bad value,
+    `FileNotFoundError`, `TimeoutError`, ...), so `except ValueError` around our code keeps working. The other way
+    round, a handler that catches such a builtin around code that can raise a `UserError` lets it through
+    (`except UserError: raise` first) unless swallowing it is the point, said in a comment there."""
 
 
 class ConfigError(UserError, ValueError):
-    """A bad value in evolution.json / machines.json / an override (names the file and the field)."""
+    """A bad value in evolution.json / machines.json / an override / a command-line flag (names the file and the
+    field)."""
 
 
 class ProtocolError(UserError, RuntimeError):
-    """BASE_DIR holds something this run cannot use (another protocol version, another run's identity, a bad file)."""
+    """BASE_DIR holds something this run cannot use (another protocol version, another run's identity, a bad file,
+    too few valid deltas)."""
 
 
-class MergeError(UserError, ValueError):
-    """Models that cannot be merged (architecture, shapes, names, vocabulary) or a recipe that cannot be applied."""
+class ModelError(UserError, ValueError):
+    """A model that cannot be built, loaded or merged: unreachable hub, a directory without weights, mismatched
+    tensors, architectures / shapes / names / vocabularies that differ, a merge recipe that cannot be applied."""
+
+
+MergeError = ModelError  # the merge code's name for it (train.merge.methods re-exports it): one class, two names
 
 
 class NotFound(UserError, FileNotFoundError):
@@ -46,12 +57,14 @@ class DataError(UserError, ValueError):
     """A dataset or tokenizer that cannot be used: unreachable hub, unsupported files, too little text."""
 
 
-class ModelError(UserError, ValueError):
-    """A model that cannot be built or loaded: unreachable hub, a directory without weights, mismatched tensors."""
-
-
 class EnvironmentProblem(UserError, RuntimeError):
-    """The machine lacks what the config asks for: a CUDA device, an optional package, a writable directory."""
+    """The machine lacks what the config asks for: a CUDA device, an optional package, a writable directory, a
+    program to run."""
+
+
+class TimedOut(UserError, TimeoutError):
+    """Waited the configured time for another process's file (a peer's delta, the reducer's round, the coordinator's
+    data) and it did not come: names what, where, the timeout and what to start or raise."""
 
 
 class WorkerDied(RuntimeError):
@@ -116,12 +129,15 @@ def _is_secondary_rank() -> bool:
 
 
 def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO,
-             background_log: bool = False) -> None:
+             background_log: bool = False, cli: bool = False) -> None:
     """Run an entry point's body: a `UserError` prints one line (exit 2), a dead worker exit 1, Ctrl-C exit 130.
 
     An `OSError` naming a path (a `base_dir` under a file, a read-only disk, no space left) is the user's
     machine, not a bug: one line too. In a torchrun group, ranks > 0 print nothing for an error rank 0 also
     reports, and a rank that loses its peers because another rank exited says so in one line.
+
+    `cli`: a command that runs and returns (the SSH launcher, scripts/, `python -m train.core.config`) rather than a
+    process of a run: its one line is `error: <message>` as argparse writes its own, without the log prefix.
     """
     secondary = _is_secondary_rank()
     log = setup_logging(name, logging.ERROR if secondary else level, background_log)
@@ -129,6 +145,13 @@ def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO,
         import warnings
         warnings.simplefilter("ignore")  # rank 0 prints each warning once for the whole group
     show_tb = os.environ.get("EDT_TRACEBACK", "") not in ("", "0")
+
+    def say(message: str) -> None:
+        if cli:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        else:
+            log.error("%s", message)
+
     try:  # the background log writer is flushed before a traceback is printed or the process exits
         try:
             code = fn() or 0
@@ -136,21 +159,22 @@ def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO,
             if show_tb:
                 raise
             if not secondary:
-                log.error("%s", " ".join(str(e).split("\n")))
+                say(" ".join(str(e).split("\n")))
             code = EXIT_USER_ERROR
             if getattr(e, "retryable", False):
                 note_retryable_exit()
         except OSError as e:
             if show_tb or not getattr(e, "filename", None):
                 raise
-            log.error("%s: %s (check that the path exists, is a directory where one is expected, is writable and "
-                      "the disk has space)", e.filename, e.strerror or e)
+            say(f"{e.filename}: {e.strerror or e} (check that the path exists, is a directory where one is expected, "
+                f"is writable and the disk has space)")
             code = EXIT_USER_ERROR
         except WorkerDied as e:
             log.error("%s", e)
             code = EXIT_WORKER_DIED
         except KeyboardInterrupt:
-            log.warning("interrupted: every child process was stopped; run the same command to resume")
+            if not cli:  # a command's Ctrl-C is the user's own doing; a run's stops its children (and resumes)
+                log.warning("interrupted: every child process was stopped; run the same command to resume")
             code = EXIT_INTERRUPTED
         except Exception as e:  # noqa: BLE001  (a peer rank's exit is not this rank's bug)
             if secondary and _is_lost_peer(e):

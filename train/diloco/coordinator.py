@@ -18,6 +18,7 @@ import torch
 from train.core import sharedfs
 from train.core.background import OneSlot
 from train.core.config import RunConfig
+from train.core.errors import ProtocolError
 from train.core.data import TokenData, prepare_data
 from train.core.heartbeat import NO_LEASE, CoordinatorLease, coordinator_lease_path
 from train.core.inner import evaluate
@@ -67,8 +68,8 @@ class Coordinator:
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
         self.evals = OneSlot("evaluate")  # a committed round's evaluation and metrics record, off the critical path
-        # outer.overlap (docs/overlap.md): how many rounds past the latest commit workers may be training
-        self.ahead = for_config(cfg.outer).rounds_ahead
+        # outer.overlap (docs/overlap.md); the coordinator asks it how far past the latest commit workers may train
+        self.overlap = for_config(cfg.outer)
         self.lease = NO_LEASE  # its lease (train/core/heartbeat.py), started by setup() once it holds the lock
 
     # -- setup ----------------------------------------------------------------------------------------------------
@@ -90,7 +91,7 @@ class Coordinator:
         self.data = TokenData.open(data_dir, cfg.data.seq_length, cfg.data.eval_fraction)
         self.check_data_size()
         self.layout = self.plan_layout()  # before round 0's commit: workers read it when they start
-        self.follow_schedule((paths.latest_committed() or 0) + self.ahead, lo=self._free_round)
+        self.follow_schedule((paths.latest_committed() or 0) + self.overlap.rounds_ahead, lo=self._free_round)
         self.eval_windows = torch.from_numpy(self.data.eval_windows(cfg.eval.batches * cfg.eval.batch_size))
         self.device = pick_device(cfg.inner.device)
         self.model = model.to(self.device)
@@ -173,7 +174,7 @@ class Coordinator:
             done, r = max(done, r), r + 1
         start = max(latest, done + 1, lay.last["from_round"])
         if workers_alive(paths, slots, oc):  # they may be training the next round(s) now
-            start += 1 + self.ahead
+            start += 1 + self.overlap.rounds_ahead
         return start
 
     def admit_joiners(self, r: int) -> None:
@@ -183,7 +184,7 @@ class Coordinator:
         joiners = self.membership.joiners()
         if not joiners:
             return
-        start = max(r + 1 + self.ahead, lay.last["from_round"])
+        start = max(r + 1 + self.overlap.rounds_ahead, lay.last["from_round"])
         slots = lay.last["slots"] + len(joiners)
         lay.resize(start, slots, self.round_windows(start), f"join: worker(s) {joiners} at round {start}")
         lay.save(self.paths)
@@ -282,8 +283,8 @@ class Coordinator:
         self.membership.record_round()
         self.missing_why = {f"w{w:03d}": v for w, v in why.items()}
         if len(acc.workers) < oc.min_workers:
-            raise RuntimeError(f"round {r}: only {len(acc.workers)} valid deltas (min_workers = {oc.min_workers}); "
-                               f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
+            raise ProtocolError(f"round {r}: only {len(acc.workers)} valid deltas (min_workers = {oc.min_workers}); "
+                                f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
         missing = [w for w in range(slots) if w not in got]
         for w in missing:
             self.missing_why.setdefault(f"w{w:03d}", f"not awaited: the run has {N} workers from round "
@@ -353,7 +354,7 @@ class Coordinator:
             record["data"].update({f"w{w:03d}@{r - 1}": [m["data"]["offset"], m["data"]["read"]]
                                    for w, m in acc.late.items()})
         self.admit_joiners(r)
-        self.follow_schedule(r + 1 + self.ahead)
+        self.follow_schedule(r + 1 + self.overlap.rounds_ahead)
         t3 = time.perf_counter()
         record["tail_s"] = round(t3 - t_last, 3)  # last arrival -> committing
         self.lease.set("committing", round=r)
@@ -416,7 +417,7 @@ class Coordinator:
         """Delete rounds older than the last `keep_rounds` committed ones (θ_0 stays: it is the run's template)."""
         # overlap: workers start a segment from θ_{r−1} while round r is open: keep one round more
         oc = self.cfg.outer
-        prune_rounds(self.paths, latest, oc.keep_rounds + self.ahead,
+        prune_rounds(self.paths, latest, oc.keep_rounds + self.overlap.rounds_ahead,
                      before_checkpoint=int(oc.late_weight > 0 and oc.compression != "none"))
 
     # -- the whole run --------------------------------------------------------------------------------------------

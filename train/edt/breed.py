@@ -168,8 +168,8 @@ def breed(cfg: RunConfig, paths: EDTPaths, g: int, pool: list[Member], positions
     P = population_size(cfg)
     pool = [p for p in pool if math.isfinite(p.fitness)]  # diverged or rejected members take no part
     if not pool:
-        raise RuntimeError(f"generation {g - 1}: every member diverged (non-finite eval loss); lower inner.lr or "
-                           f"the inner_lr gene range and start a new run")
+        raise ConfigError(f"generation {g - 1}: every member diverged (non-finite eval loss); lower inner.lr or "
+                          f"the inner_lr gene range and start a new run")
     pairs = select_pairs([p.fitness for p in pool], P, ec.elitism, ec.selection, ec.tournament_size,
                          generation_rng(cfg.seed, g, 0))
     slots = assign_slots(pairs, pool, P)

@@ -29,6 +29,7 @@ import uuid
 from train.core import sharedfs
 from train.core.config import ConfigError, RunConfig
 from train.core.data import TokenData, prepare_data
+from train.core.errors import UserError
 from train.edt.breed import (Member, breed, load_job, population_size, write_initial_population)
 from train.edt.modes import mode_of
 from train.edt.protocol import (create_claim, lease_age, mark_pruned, publish_member, read_claim, requeue,
@@ -284,6 +285,8 @@ class EDTCoordinator:
             if result.get("refilled"):
                 genome = result["genome"]
         except (ProtocolError, OSError, ValueError) as e:
+            if isinstance(e, UserError) and not isinstance(e, (ProtocolError, OSError)):
+                raise  # a ConfigError / DataError from edt.fitness: the config's to fix, not this member's fault
             log.error("generation %d: member m%03d rejected (%s): it takes no part in selection", g, m, e)
             result, fitness = {"rejected": str(e), "position": job["position"]}, float("-inf")
         cls = RefilledMember if result.get("refilled") else Member

@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from train.core.errors import NotFound
+from train.core.errors import ConfigError, NotFound
 from train.core.config import BASE_METHODS, RunConfig
 from train.core.evolution import decode as decode_genes
 
@@ -112,8 +112,8 @@ def local_model_dir(cfg: RunConfig, spec: str) -> Path:
     if kind == "dir":
         return Path(path)
     if kind == "config":
-        raise ValueError(f"{spec}: EvoMerge merges trained models; a config JSON has no weights (use a model "
-                         f"directory or a hub id)")
+        raise ConfigError(f"{cfg.source}: edt.initial_population / evomerge.base_model: {spec}: EvoMerge merges "
+                          f"trained models; a config JSON has no weights (use a model directory or a hub id)")
     try:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(path, revision=cfg.model.revision,

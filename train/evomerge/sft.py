@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from train.core.errors import ConfigError, DataError, missing_package
 from train.core.inner import autocast_for, lr_at
 from train.evomerge.tasks import to_messages
 
@@ -77,8 +78,8 @@ def encode_sft(tokenizer, item: dict, max_length: int) -> tuple[list[int], list[
         prompt = render(tokenizer, msgs[:i], add_generation_prompt=True)
         full = render(tokenizer, msgs[: i + 1], add_generation_prompt=False)
         if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')} does not render an "
-                             f"assistant turn as an extension of its prompt; cannot mask the loss exactly")
+            raise DataError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')} does not render an "
+                            f"assistant turn as an extension of its prompt; cannot mask the loss exactly")
         answer = full[len(prompt):]
         answer_learned = answer.rstrip()
         p_ids = _ids(tokenizer, prompt[len(done):])
@@ -117,13 +118,13 @@ class SFTMixture:
                  seed: int, position: int = 0):
         unknown = set(weights) - set(sources)
         if unknown:
-            raise ValueError(f"data mix weights name unknown sources {sorted(unknown)}; sources: {sorted(sources)}")
+            raise ConfigError(f"data mix weights name unknown sources {sorted(unknown)}; sources: {sorted(sources)}")
         names = [n for n in sources if weights.get(n, 0.0) > 0]
         if any(w < 0 or not math.isfinite(w) for w in weights.values()) or not names:
-            raise ValueError(f"data mix weights {weights}: need finite weights >= 0 and one > 0 on a source")
+            raise ConfigError(f"data mix weights {weights}: need finite weights >= 0 and one > 0 on a source")
         empty = [n for n in names if not sources[n]]
         if empty:
-            raise ValueError(f"data mix sources {empty} have no items")
+            raise ConfigError(f"data mix sources {empty} have no items")
         self.names = names
         w = np.array([weights[n] for n in names], dtype=np.float64)
         self.probs = w / w.sum()
@@ -166,11 +167,11 @@ DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 def _wrap_lora(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
-    except ImportError as e:
-        raise ImportError("LoRA mutation needs peft: pip install 'edt[lora]' (or peft>=0.13)") from e
+    except ImportError:
+        raise missing_package("peft", "LoRA mutation (evomerge.lora)", "lora") from None
     known = {"r", "alpha", "dropout", "target_modules"}
     if set(lora) - known:
-        raise ValueError(f"lora options {sorted(set(lora) - known)} unknown; known: {sorted(known)}")
+        raise ConfigError(f"evomerge.lora: options {sorted(set(lora) - known)} unknown; known: {sorted(known)}")
     cfg = LoraConfig(r=int(lora.get("r", 8)), lora_alpha=float(lora.get("alpha", 16)),
                      lora_dropout=float(lora.get("dropout", 0.0)),
                      target_modules=list(lora.get("target_modules") or DEFAULT_LORA_TARGETS), bias="none")

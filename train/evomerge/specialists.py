@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from train.core.errors import NotFound
+from train.core.errors import ConfigError, NotFound
 from train.evomerge.sft import SFTMixture, ensure_chat_template, train_sft
 from train.core.model import save_model_dir
 from train.core.store import ProtocolError, atomic_write_bytes, atomic_write_json, read_json, verify_manifest
@@ -97,7 +97,7 @@ def make_specialists(out_dir: str | Path, tasks: tuple[str, ...] | list[str] = t
 
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
-        raise ValueError(f"tasks {list(tasks)}: need known synthetic tasks from {sorted(TASKS)}")
+        raise ConfigError(f"tasks {list(tasks)}: need known synthetic tasks from {sorted(TASKS)}")
     model_config = Path(model_config or REPO / "configs" / "tiny-llama.json")
     if not model_config.is_file():
         raise NotFound(f"model config {model_config}: no such file (an HF config JSON for the base model)")

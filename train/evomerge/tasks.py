@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from train.core.errors import NotFound
+from train.core.errors import DataError, NotFound
 from train.core.config import ConfigError
 
 EVAL_BUCKETS = 8  # 1 of 8 hash buckets is the eval split
@@ -90,7 +90,8 @@ def task_items(name: str, n: int, split: str, seed: int = 0) -> list[dict]:
     while len(items) < n:
         tries += 1
         if tries > 200 * n + 10_000:
-            raise ValueError(f"task {name!r} split {split!r}: only {len(items)} distinct items found, {n} asked")
+            raise ConfigError(f"task {name!r} split {split!r}: only {len(items)} distinct items found, {n} asked: "
+                              f"ask for fewer items")
         prompt, answer = task.make(rng)
         if prompt in seen or split_of(f"{name}|{prompt}") != split:
             continue
@@ -110,7 +111,7 @@ def prompt_and_answer(item: dict) -> tuple[list[dict], str]:
     """(the chat up to the last assistant turn, that turn's text): what exact-match generation asks and expects."""
     msgs = to_messages(item)
     if not msgs or msgs[-1].get("role") != "assistant":
-        raise ValueError(f"item of task {item.get('task')!r} does not end with an assistant turn: {msgs[-1:]}")
+        raise DataError(f"item of task {item.get('task')!r} does not end with an assistant turn: {msgs[-1:]}")
     return msgs[:-1], msgs[-1]["content"]
 
 
@@ -129,27 +130,30 @@ def _normalize(row: dict, source: str, text_fields: dict | None) -> dict | None:
             role = m.get("role", m.get("from"))
             content = m.get("content", m.get("value"))
             if role not in _ROLE_ALIASES or not isinstance(content, str):
-                raise ValueError(f"{source}: a message has role {role!r} / content {type(content).__name__}; "
-                                 f"expected role in {sorted(_ROLE_ALIASES)} and text content")
+                raise DataError(f"{source}: a message has role {role!r} / content {type(content).__name__}; "
+                                f"expected role in {sorted(_ROLE_ALIASES)} and text content")
             msgs.append({"role": _ROLE_ALIASES[role], "content": content})
         while msgs and msgs[-1]["role"] != "assistant":  # a trailing user turn has no answer to learn
             msgs.pop()
         return {"task": source, "messages": msgs} if msgs else None
     if f["prompt"] in row and f["answer"] in row:
         return {"task": source, "prompt": str(row[f["prompt"]]), "answer": str(row[f["answer"]])}
-    raise ValueError(f"{source}: a row has columns {sorted(row)}; expected {f['messages']!r} (a chat) or "
-                     f"{f['prompt']!r} + {f['answer']!r} (set text_fields to map other column names)")
+    raise DataError(f"{source}: a row has columns {sorted(row)}; expected {f['messages']!r} (a chat) or "
+                    f"{f['prompt']!r} + {f['answer']!r} (set text_fields to map other column names)")
 
 
 def _read_rows(path: Path) -> list[dict]:
     text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    data = json.loads(text)
+    try:
+        if path.suffix == ".jsonl":
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid {path.suffix[1:].upper()} ({e})") from None
     if isinstance(data, dict):  # {"data": [...]} / {"train": [...]} style files: the first list value
         data = next((v for v in data.values() if isinstance(v, list)), None)
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of rows (or an object holding one)")
+        raise DataError(f"{path}: expected a JSON list of rows (or an object holding one)")
     return data
 
 
@@ -158,7 +162,11 @@ def _hub_rows(name: str, split: str) -> tuple[list[dict], bool]:
     split and our 'train' is its whole train split; otherwise both come from its train split by the hash rule."""
     from datasets import get_dataset_split_names, load_dataset
 
-    names = get_dataset_split_names(name)
+    try:
+        names = get_dataset_split_names(name)
+    except Exception as e:  # noqa: BLE001  (offline, unknown name, ...: one clear message)
+        raise DataError(f"could not open dataset {name!r} ({type(e).__name__}: {' '.join(str(e).split())}). Without "
+                        f"network access, point the task's data at a local .jsonl/.json file") from e
     held_out = next((c for c in ("test", "validation", "eval") if c in names), None)
     train = "train" if "train" in names else names[0]
     if held_out is None:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from train.core import sharedfs
+from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
 from train.exchange.protocol import RejectedDelta, check_sidecar
 from train.core.store import (RunPaths, atomic_publish_dir, new_tmp_dir, write_manifest)
@@ -131,8 +132,8 @@ def validate_and_reduce(paths: RunPaths, r: int, workers: list[int], *, delta_dt
     while True:
         ok = [w for w in workers if w not in rejected]
         if len(ok) < min_workers:
-            raise RuntimeError(f"round {r}: only {len(ok)} valid deltas (min_workers = {min_workers}); "
-                               f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
+            raise ProtocolError(f"round {r}: only {len(ok)} valid deltas (min_workers = {min_workers}); "
+                                f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
         weights = [float(metas[w]["tokens"]) if token_weighted else 1.0 for w in ok]
         try:
             io = reduce_round(paths, r, ok, metas, weights, update, state_specs)

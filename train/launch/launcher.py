@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import shlex
-import sys
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -474,8 +473,3 @@ class Launcher:
             notes.append(f"BASE_DIR {i['base_dir']}: NOT the directory {writer.label} wrote to (token {tok}): "
                          f"mount the shared disk at the same path everywhere, or set an absolute base_dir on it")
         return ok, "\n".join(notes)
-
-
-def fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return 2

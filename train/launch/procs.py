@@ -41,7 +41,8 @@ from pathlib import Path
 
 from train.core.config import REPO_ROOT
 from train.core.heartbeat import parent_died
-from train.core.errors import EXIT_NOTE_ENV, EXIT_USER_ERROR, WorkerDied  # noqa: F401  (raised here)
+from train.core.errors import (EXIT_NOTE_ENV, EXIT_USER_ERROR, EnvironmentProblem,  # noqa: F401  (raised here)
+                               WorkerDied)
 
 log = logging.getLogger("supervise")
 sim_log = logging.getLogger("simulator")  # the simulators' own lines about their children
@@ -107,7 +108,9 @@ def supervise(argv: list[str], max_restarts: int, name: str = "worker") -> tuple
     """Run `argv` as a child in our process group and restart it by the policy of `Restarts`; returns (its last
     return code, the stop signal that ended the supervision or None) when it exits for good or a stop signal
     (SIGTERM, SIGINT, SIGHUP) arrives (passed on to the child as SIGTERM, which makes a worker leave).
-    train/launch/supervise.py turns this into its exit: `exit_status(rc)`, or death by the stop signal."""
+    train/launch/supervise.py turns this into its exit: `exit_status(rc)`, or death by the stop signal. A command
+    that cannot be started at all is an EnvironmentProblem (one line, exit 2: final, like the child's own user
+    error)."""
     policy = Restarts(max_restarts)
     stop = threading.Event()
     stopped_by: list[int] = []
@@ -136,9 +139,9 @@ def supervise(argv: list[str], max_restarts: int, name: str = "worker") -> tuple
             Path(note).write_text("")
             try:
                 p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
-            except OSError as e:
-                log.error("%s: cannot run %r: %s", name, argv[0], e)
-                return 127, (stopped_by or [None])[0]
+            except OSError as e:  # a wrong interpreter or command: the user's to fix, not a crash to retry
+                raise EnvironmentProblem(f"{name}: cannot run {argv[0]!r} ({e.strerror or e}): check the command "
+                                         f"(the `python` of machines.json, the simulator's interpreter)") from None
             child[:] = [p]
             rc = p.wait()
             if stop.is_set():

@@ -29,6 +29,7 @@ import argparse
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import select
 import signal
@@ -38,7 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-from train.core.config import ConfigError, load_config
+from train.core.config import load_config
+from train.core.errors import UserError
 from train.core.heartbeat import coordinator_lease_path
 from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, sha256_file
 from train.launch.procs import supervised_argv
@@ -393,10 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)  # after `--`: the command to start, verbatim
     a = ap.parse_args(argv[:cut])
     a.argv = argv[cut + 1:]
-    try:
-        cfg = load_config(a.config, a.set)
-    except ConfigError as e:
+    try:  # a user error is the answer (one line, exit 2): the launcher shows it under the host's name
+        return run(a)
+    except UserError as e:
         return answer({"error": str(e)}, 2)
+
+
+def run(a: argparse.Namespace) -> int:
+    cfg = load_config(a.config, a.set)
     paths = RunPaths(cfg.run_dir)
     if any(not r.replace("-", "").isalnum() for r in a.role):
         return answer({"error": f"bad role name in {a.role}"}, 2)
@@ -414,4 +420,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from train.core.errors import run_main
+    run_main(main, "remote", logging.WARNING)  # stdout is the answer; warnings and a crash's one line on stderr

@@ -28,6 +28,7 @@ from typing import Callable
 
 import paramiko
 
+from train.core.errors import UserError
 from train.launch.machines import Machine
 
 USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
@@ -35,8 +36,9 @@ MAX_CHANNELS = 8  # concurrent commands per connection (OpenSSH's MaxSessions de
 SYSTEM_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
 
 
-class SSHError(RuntimeError):
-    """Connecting to or running on a host failed; the message says which host, why, and what to do."""
+class SSHError(UserError, RuntimeError):
+    """Connecting to or running on a host failed; the message says which host, why, and what to do (a user error:
+    one line and exit 2 where it ends a command; the launcher reports it per host where it does not)."""
 
 
 class HostKeyError(SSHError):

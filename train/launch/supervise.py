@@ -40,6 +40,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from train.core.errors import setup_logging
-    setup_logging("supervise")
-    sys.exit(main())
+    from train.core.errors import run_main
+    run_main(main, "supervise")
