@@ -86,15 +86,14 @@ def coordinator_main(strategy: str, description: str,
     import logging
 
     from train.core.model import quiet_transformers
-    from train.core.strategies import STRATEGIES
+    from train.launch.registry import RUNS
 
-    strat = STRATEGIES[strategy]
     ap = argparse.ArgumentParser(description=description)
     add_args(ap)
     args = ap.parse_args()
     cfg, _ = load_from_args(args, strategy=strategy)
     quiet_transformers()
     preflight(cfg, strategy)
-    logging.getLogger(f"{strategy}-coordinator").info("%s", strat.summary(cfg))
-    strat.coordinator(cfg).run()
+    logging.getLogger(f"{strategy}-coordinator").info("%s", RUNS[strategy].summary(cfg))
+    RUNS[strategy].coordinator(cfg).run()
     return 0

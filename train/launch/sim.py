@@ -9,6 +9,7 @@ import logging
 def sim_main(strategy: str, doc: str) -> int:
     from train.core.model import quiet_transformers
     from train.core.strategies import STRATEGIES
+    from train.launch.registry import RUNS
     from train.launch.cli import ARGS, load_from_args, preflight
     from train.launch.local_run import run_local
 
@@ -25,7 +26,7 @@ def sim_main(strategy: str, doc: str) -> int:
     quiet_transformers()
     preflight(cfg, strategy)
     log = logging.getLogger(f"{strategy}_sim")
-    log.info("%s", strat.summary(cfg))
+    log.info("%s", RUNS[strategy].summary(cfg))
     rec, paths = run_local(strat, cfg, cfg.source if cfg.source != "<defaults>" else args.config, overrides,
                            args.threads, args.max_restarts)
     if strategy == "edt":
