@@ -10,6 +10,9 @@ Round r, worker w (docs/protocol.md):
   5. publish: move the delta into rounds/r/deltas/ and write its JSON sidecar (the sidecar marks it complete)
 A crash before 4 redoes round r on the same data (a round's slice is fixed by the layout); a crash between 4 and 5
 publishes the saved delta on restart (or drops it when the run has moved on). Nothing is trained twice.
+With outer.overlap the next segment starts before θ_{r+1} is committed: the policy in train/diloco/overlap.py says
+where a segment starts, when it folds θ in and how its delta is handed over (docs/overlap.md); the snapshots, the
+restore and the replay are in train/diloco/resume.py.
 
 A worker may be a torchrun group (`python -m torch.distributed.run --nproc_per_node N -m train.diloco.worker ...`, see
 train/core/dist.py): rank 0 does every step above that touches BASE_DIR and tells the other ranks, by broadcast, which
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import socket
 import threading
 import time
@@ -45,6 +47,8 @@ from train.core.inner import InnerTrainer
 
 from train.core.background import OneSlot
 from train.core.heartbeat import CoordinatorWatch, Heartbeat
+from train.diloco.overlap import for_config
+from train.diloco.resume import ResumeState
 from train.exchange.codec import Residual
 from train.exchange.layout import Layout
 from train.exchange.master import exchange_codecs
@@ -60,7 +64,6 @@ from train.core.store import (
     read_json,
     wait_for,
 )
-from train.core.tensorio import iter_tensors, save_streaming
 
 log = logging.getLogger("worker")
 
@@ -75,7 +78,7 @@ def build_worker_model(paths: RunPaths, model_config: dict | None = None):
         mcfg = AutoConfig.for_model(**model_config)
     return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
 
-class Worker:
+class Worker(ResumeState):
     def __init__(self, cfg: RunConfig, worker_id: int):
         if not 0 <= worker_id < 1000:
             raise ConfigError(f"--worker {worker_id}: must be in 0..999 (0..outer.num_workers-1 for the run's "
@@ -129,14 +132,8 @@ class Worker:
         self.delta_codec, self.back_codec = exchange_codecs(cfg.outer)
         self.residual = Residual(self.delta_codec) if self.back_codec is not None else None
         self.theta = GlobalTheta(self.paths, self.back_codec) if main else None
-        self.overlap = cfg.outer.overlap != "none"  # delayed or eager: the next segment starts before the commit
-        self.eager = cfg.outer.overlap == "eager"
-        self.progress: dict[str, torch.Tensor] | None = None  # overlap: our progress over the last segment
+        self.overlap = for_config(cfg.outer)  # none / delayed / eager: where a segment starts, its hand-off
         self.snap = OneSlot("state-snapshot")    # the state snapshot, written in the background
-        self.pub = OneSlot("publish")            # delayed overlap: a round's whole publication, in the background
-        self.prefetch = OneSlot("prefetch-theta")  # delayed overlap: the next global model, read ahead
-        self._prefetch_round: int | None = None
-        self._prefetched: int | None = None  # the round the prefetch thread has brought θ to (no file check needed)
         self.trained = -1  # the last round this process trained (its publication may still be in flight)
         self._latest: int | None = None  # the last committed round seen (later lookups start from it)
         self._layout_cache: tuple | None = None  # ((inode, mtime, size) of layout.json, its Layout)
@@ -151,103 +148,7 @@ class Worker:
                  f", {self.dist.world} processes ({cfg.inner.parallel})" if self.dist.enabled else "")
         self.replay()
 
-    # -- private resume state (docs/compression.md: where it lives, what a restart resumes with) --------------------
-    @property
-    def state_dir(self) -> Path:
-        """Where the inner optimizer moments and the residual go: BASE_DIR's worker directory, or outer.state_dir."""
-        sd = self.cfg.outer.state_dir
-        if not sd:
-            return self.paths.worker_dir(self.w)
-        return Path(os.path.expanduser(sd.format(worker=self.w))) / self.cfg.project_name / f"w{self.w:03d}"
-
-    def restore_state(self) -> None:
-        """Load the newest snapshot of our private state (rounds after it are replayed by `replay`, or skipped when
-        they cannot be, see there). The data needs no state: a round's slice is fixed by the layout."""
-        st = self.state
-        st.setdefault("opt_round", st["round_done"])
-        if "opt_file" not in st:
-            st["opt_round"] = st["round_done"]
-            return
-        f = self.state_dir / st["opt_file"]
-        present = broadcast_json(f.is_file() if self.dist.main else None, self.dist, self.device)
-        if not present:
-            log.warning("the inner optimizer state of round %d (%s) is not on this host (outer.state_dir is host-"
-                        "local?): resuming with fresh AdamW moments%s after round %d (no token is trained twice)",
-                        st["opt_round"], f, " and no error-feedback residual" if self.residual else "",
-                        st["round_done"])
-            self.trainer.step = int(st.get("step", 0))
-            st["opt_round"] = st["round_done"]
-            return
-        self.load_optimizer(f, st.get("opt_extra", st))
-        if self.dist.main and (self.residual is not None or self.overlap):
-            saved = dict(iter_tensors(f))
-            if self.residual is not None:
-                self.residual.load(saved)
-            prog = {k[len("progress::"):]: v for k, v in saved.items() if k.startswith("progress::")}
-            self.progress = prog or None
-        log.info("resumed worker state: last round done %d, optimizer state of round %d, inner step %d",
-                 st["round_done"], st["opt_round"], self.trainer.step)
-
-    def replay(self) -> None:
-        """Rounds we published after our last state snapshot (a kill while it was being written): retrain them from
-        the snapshot without publishing, so the moments and residual are those of an uninterrupted
-        run; the re-computed delta must equal the published one (checked by sha256)."""
-        st = self.state
-        todo = list(range(st["opt_round"] + 1, st["round_done"] + 1))
-        if not todo:
-            return
-        bases = [k - 1 if self.overlap and k > 0 and self.progress is not None else k for k in todo]
-        bases += [k for k in todo if self.fold_step(k) is not None]  # ... and folded θ_k in during the segment
-        ok = broadcast_json(all(self.theta.buildable(b) for b in bases) if self.dist.main else None,
-                            self.dist, self.device)
-        if not ok:
-            log.warning("rounds %s were trained but their state snapshot was lost and their global models are gone: "
-                        "going on from the older optimizer state", todo)
-            self.trainer.step = int(st.get("step", self.trainer.step))
-            return
-        for k in todo:
-            log.info("replaying round %d (its state snapshot was not written before the restart)", k)
-            self.train_round(k, replay=True)
-
-    def snapshot_state(self, r: int, opt_tensors: dict | None, now: bool = False):
-        """Write the optimizer moments (+ residual, + progress) of round r to state_dir in the background, then point
-        state.json at them. The next round joins it before training (the tensors must not change while being
-        written). The tensors are taken here; `now`: return the write as a function instead (the caller runs it on
-        its own background thread, after the write_delta that updates the residual)."""
-        paths, w = self.paths, self.w
-        self.join_snapshot()
-        if opt_tensors is None:
-            opt_tensors = self.trainer.optimizer_tensors()
-        tensors = dict(opt_tensors)
-        if self.overlap:  # training goes on while this is written: copy what the next steps change in place
-            tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
-        if self.progress is not None:
-            tensors.update({f"progress::{k}": v for k, v in self.progress.items()})
-        extra = self.trainer.extra_state()
-        position = self.sampler.position
-        opt_file = f"opt-r{r:06d}.safetensors"
-        on_base = not self.cfg.outer.state_dir
-
-        def write() -> None:
-            if self.residual is not None:  # only write_delta changes it, and never while this runs
-                tensors.update(self.residual.tensors())
-            save_streaming(self.state_dir / opt_file, tensors)
-            self.state.update(opt_file=opt_file, opt_round=r, opt_position=position, opt_extra=extra)
-            atomic_write_json(paths.worker_state(w), self.state)
-            for old in self.state_dir.glob("opt-r*.safetensors"):
-                if old.name != opt_file:
-                    sharedfs.unlink(old)
-            if on_base:
-                self.count_io("written", sharedfs.stat(self.state_dir / opt_file).st_size)
-
-        if now:
-            return write
-        self.snap.submit(write)
-        return None
-
-    def join_snapshot(self) -> None:
-        self.snap.join()
-
+    # -- BASE_DIR bytes per round (into the next sidecar) ---------------------------------------------------------
     def count_io(self, kind: str, nbytes: int) -> None:
         with self._io_lock:
             self.io[kind] += nbytes
@@ -256,18 +157,6 @@ class Worker:
         with self._io_lock:
             io, self.io = self.io, {"read": 0, "written": 0}
         return io
-
-    def load_optimizer(self, opt_file: Path, extra: dict) -> None:
-        """Rank 0 reads the saved AdamW state; in a group every rank gets it by broadcast."""
-        if not self.dist.enabled:
-            self.trainer.load_state(opt_file, extra)
-            return
-        tensors = {k: t for k, t in iter_tensors(opt_file) if not k.startswith("residual::")} \
-            if self.dist.main else {}
-        specs = broadcast_json({k: list(t.shape) for k, t in tensors.items()}, self.dist, self.device)
-        full = {k: broadcast_full(tensors.get(k), shape, torch.float32, self.dist, self.device)
-                for k, shape in specs.items()}
-        self.trainer.set_optimizer_tensors(full, extra)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -293,8 +182,7 @@ class Worker:
         while True:
             r = self._latest = self.paths.latest_committed(self._latest)
             if r >= rounds:
-                self.pub.join()
-                self.prefetch.cancel()
+                self.overlap.close()
                 self.join_snapshot()
                 log.info("round %d committed: the run is complete", r)
                 self.hb.beat(force=True, status="done", round=r)
@@ -308,24 +196,15 @@ class Worker:
                 wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r or
                          self.layout_changed(), 5.0, self.poll)
                 continue
-            if self.overlap:
-                k = self.next_segment(r)
-                if k is not None:
-                    broadcast_json(k, self.dist, self.device)
-                    self.train_round(k)
-                    continue
-                self.pub.join()  # our last round is published before we wait for the outer step
+            k = self.overlap.next_segment(self, r)  # r; with overlap possibly r + 1 (trained from θ_r + progress)
+            if k is None:
+                self.overlap.flush()  # our last round is published before we wait for the outer step
                 self.publish_pending(self.state["round_done"])
                 self.hb.beat(force=True, status="waiting for the outer step", round=r)
                 wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r, None, self.poll)
                 continue
-            if self.state["round_done"] >= r:
-                self.publish_pending(self.state["round_done"])
-                self.hb.beat(force=True, status="waiting for the outer step", round=r)
-                wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r, None, self.poll)
-                continue
-            broadcast_json(r, self.dist, self.device)
-            self.train_round(r)
+            broadcast_json(k, self.dist, self.device)
+            self.train_round(k)
 
     # -- membership: our slot in the data layout (train/exchange/layout.py, docs/elastic.md) -------------------------
     def layout_changed(self) -> bool:
@@ -365,10 +244,10 @@ class Worker:
         later = [s for s in lay.segments if s["from_round"] > nxt and s["slots"] > self.w]
         if later:
             first = later[0]["from_round"]
-            self.pub.join()
+            self.overlap.flush()
             log.info("worker %d has a slot from round %d on (%s): waiting for it", self.w, first, later[0]["why"])
             self.state["round_done"] = first - 1
-            self.progress = None
+            self.overlap.progress = None
             atomic_write_json(self.paths.worker_state(self.w), self.state)
             return "train"
         if "sidecar" in self.state:  # we trained in this run before, and it has no slot for us any more
@@ -386,30 +265,13 @@ class Worker:
         self.hb.beat(force=True, status="joining", round=latest)
         return "wait"
 
-    def next_segment(self, latest: int) -> int | None:
-        """Delayed overlap: the round whose delta we train next, or None to wait for a commit. Segment k starts
-        from θ_{k−1} + our progress over segment k−1, so it may start once θ_{k−1} is committed (one round ahead
-        of the synchronous protocol). A worker whose rounds went on without it (restarted late) rejoins at the
-        latest round from θ_latest; so does one that lost its progress (its snapshot was on another host)."""
-        rounds = self.cfg.outer.rounds
-        k = max(self.state["round_done"], self.trained) + 1
-        if k >= rounds:
-            return None
-        if latest > k or (self.progress is None and k > 0):
-            if latest > k:
-                log.warning("rounds up to %d were committed without our segment %d: rejoining at round %d from "
-                            "the committed model", latest - 1, k, latest)
-                self.progress = None
-            return latest if latest >= k else None
-        return k if latest >= k - 1 else None
-
     def load_global(self, r: int, into_model: bool = True) -> dict[str, torch.Tensor]:
         """θ_r into the model (rank 0 brings its copy to round r — the full file without compression, else the
         logged updates — and the other ranks get it by broadcast); returns rank 0's float32 CPU copy of θ_r.
         `into_model` False (one process only): just the copy; the caller sets the parameters."""
         theta: dict[str, torch.Tensor] = {}
         if self.dist.main:
-            self.finish_prefetch(r)
+            self.overlap.finish_prefetch(self, r)  # θ_r read ahead (overlap): that read is done
             self.theta.advance_to(r)
             self.count_io("read", self.theta.take_bytes())
             theta = self.theta.tensors
@@ -426,97 +288,56 @@ class Worker:
         return theta
 
     def train_round(self, r: int, replay: bool = False) -> None:
-        cfg, paths = self.cfg, self.paths
-        H = cfg.outer.local_steps_at(r)
-        main = self.dist.main
-        if main and not self.overlap:
-            self.join_snapshot()  # the moments of the last round are on disk before they change
-        t0 = time.perf_counter()
-        fold = None
-        if self.overlap and r > 0 and self.progress is not None:
-            # overlap: this segment starts from θ_{r−1} + our progress over segment r−1 (delayed), or + that
-            # progress at the weight the outer step gives it, γ = η (1 + μ) / M (eager; docs/overlap.md)
-            theta = self.load_global(r - 1, into_model=False)  # the parameters are set to theta_r below
-            gain = self.eager_gain(r - 1) if self.eager else 1.0
-            theta_r = {n: theta[n].add(self.progress[n], alpha=gain) for n in self.theta.names}
-            params = self.trainer.params
-            with torch.no_grad():
-                for n in self.theta.names:
-                    params[n].copy_(theta_r[n])
-            tau = self.fold_step(r)
-            if tau is not None:
-                fold = {"base": theta_r, "wait": 0.0, "step": None, "H": H}
-                if replay or tau > 0:  # a replay folds where the published segment did
-                    fold["at"] = self.state.get("fold_steps", {}).get(str(r), H) if replay else tau
-        else:
-            theta_r = self.load_global(r)
-        t_load = time.perf_counter() - t0
-        if self.overlap and not replay:
-            self.start_prefetch(r)  # θ_r, where the next segment starts, read while this one trains
-
-        def on_step(i: int, loss) -> None:
-            if main:
-                self.hb.beat(status="replaying" if replay else "training", round=r, step=i + 1, steps=H, loss=loss)
-
-        if main:
-            # with overlap the lease thread writes it within a second: no file write between two segments
-            self.hb.beat(force=not self.overlap, status="replaying" if replay else "training", round=r, step=0,
-                         steps=H)
-        if cfg.inner.reset_state:  # the paper's "reset" variant: fresh inner moments every round (replays too)
-            self.trainer.reset_optimizer_state()
-        data = self.data_slice(r)
-        self.sampler.begin(data["offset"], data["windows"])
-        stats = self.trainer.train_steps(self.batches.next_batch, H, on_step, before_step=None if fold is None else
-                                         lambda i: self.maybe_fold(r, i, fold))
-        if fold is not None:
-            if fold["step"] is None:  # θ_r came too late for every step boundary: fold it in at the end
-                self.maybe_fold(r, H, fold)  # (after train_steps stopped its clock: its wait is not in "seconds")
-            else:
-                stats["seconds"] -= fold["wait"]  # waited between two steps, inside train_steps' clock
-            theta_r = fold["base"]  # the delta is taken against θ_r
-            t_load += fold["wait"]
+        """Segment r (steps 1-5 above; with overlap docs/overlap.md): start it where the overlap policy says, train
+        its H inner steps on our slice of round r's data, hand the delta over."""
+        H = self.cfg.outer.local_steps_at(r)
+        seg = self.overlap.begin(self, r, H, replay)  # the model at the segment's start; what Δ is taken against
+        data, stats = self.train_segment(r, H, seg, replay)
+        fields = seg.end(stats)  # (a fold not done yet comes in now)
         if self.dist.enabled:
             # FSDP2 shards are gathered (a collective: every rank takes part); DDP copies are already whole.
             params = {n: full_tensor(p.detach()) for n, p in self.trainer.params.items()}
             opt_tensors = self.trainer.optimizer_tensors()
-            if not main:
+            if not self.dist.main:
                 return
         else:
             params, opt_tensors = dict(self.trainer.model.named_parameters()), None
         log.info("round %d: %d steps, loss %.4f (last %.4f), %.0f tok/s%s", r, H, stats["loss"], stats["last_loss"],
                  stats["tokens"] / max(stats["seconds"], 1e-9), " (replay)" if replay else "")
-
         meta = {"inner_steps": H, "tokens": stats["tokens"], "loss": stats["loss"], "last_loss": stats["last_loss"],
-                "train_seconds": stats["seconds"], "load_seconds": t_load, "processes": self.dist.world,
-                "trained_at": time.time()}
-        if fold is not None:
-            meta["fold_step"] = fold["step"]
-        if self.overlap and not replay:
-            # Delayed overlap: the next segment starts now. What it changes in place is copied to host memory here
-            # (the parameters, and the moments in snapshot_state); encoding, writing and publishing the delta and
-            # the snapshot run on the publisher thread, one round at a time (train/core/background.py).
-            host = {n: params[n].detach().to("cpu", torch.float32, copy=True) for n in self.theta.names}
-            self.progress = {n: host[n] - theta_r[n] for n in self.theta.names}
-            write_snapshot = self.snapshot_state(r, opt_tensors, now=True)
-            position = self.sampler.position
-            extra = self.trainer.extra_state()
-            self.trained = r
-            t = time.perf_counter()
-            self.pub.join()  # back-pressure: round r − 1 is published (and its snapshot written) before r is queued
-            meta["handoff_seconds"] = time.perf_counter() - t
-            if meta["handoff_seconds"] > 0.5:
-                log.info("round %d: waited %.2f s for round %d's publication (BASE_DIR is slower than training)",
-                         r, meta["handoff_seconds"], r - 1)
-            self.pub.submit(lambda: self.publish_round(r, theta_r, host, meta, data, position, extra, write_snapshot))
-            return
+                "train_seconds": stats["seconds"], "load_seconds": seg.load_s, "processes": self.dist.world,
+                "trained_at": time.time(), **fields}
+        self.overlap.hand_off(self, r, seg.base, params, opt_tensors, meta, data, replay)
+
+    def train_segment(self, r: int, H: int, seg, replay: bool) -> tuple[dict, dict]:
+        """H inner steps on our slice of round r's data (the layout's); returns the slice and train_steps' stats."""
+        main = self.dist.main
+        status = "replaying" if replay else "training"
+
+        def on_step(i: int, loss) -> None:
+            if main:
+                self.hb.beat(status=status, round=r, step=i + 1, steps=H, loss=loss)
+
+        if main:
+            # with overlap the lease thread writes it within a second: no file write between two segments
+            self.hb.beat(force=not self.overlap.trains_ahead, status=status, round=r, step=0, steps=H)
+        if self.cfg.inner.reset_state:  # the paper's "reset" variant: fresh inner moments every round (replays too)
+            self.trainer.reset_optimizer_state()
+        data = self.data_slice(r)
+        self.sampler.begin(data["offset"], data["windows"])
+        return data, self.trainer.train_steps(self.batches.next_batch, H, on_step, before_step=seg.before_step)
+
+    def deliver(self, r: int, theta_r: dict, params: dict, opt_tensors: dict | None, meta: dict, data: dict,
+                replay: bool) -> None:
+        """Round r on the training thread (synchronous, and every replay): Δ = θ_r − θ_w to our pending file, in
+        the order of the global file so the reducer reads every file sequentially; then the resume point and the
+        publication (finish_round), and the state snapshot. A replay only checks its delta against the published
+        one and snapshots."""
         self.trained = r
-        # Δ = θ_r − θ_w, in the order of the global file so the reducer reads every file sequentially.
-        pending = paths.worker_pending_delta(self.w, r)
+        pending = self.paths.worker_pending_delta(self.w, r)
         if replay:
             pending = pending.with_name(f".replay-{pending.name}")
         file = write_delta(pending, self.theta.names, theta_r, params, self.delta_codec, r, self.w, self.residual)
-        if self.overlap:
-            self.progress = {n: params[n].detach().to("cpu", torch.float32) - theta_r[n] for n in self.theta.names}
         if replay:
             sharedfs.unlink(pending)
             published = self.state["sidecar"]["sha256"] if self.state["round_done"] == r else None
@@ -527,47 +348,6 @@ class Worker:
             return
         self.finish_round(r, file, meta, data, self.sampler.position, self.trainer.extra_state())
         self.snapshot_state(r, opt_tensors)
-
-    def fold_step(self, r: int) -> int | None:
-        """Overlap: after how many steps segment r folds θ_r in (0: as soon as it is read, adaptive); None: at the
-        segment's end (outer.overlap_steps >= its H), or no overlap."""
-        tau = self.cfg.outer.overlap_steps
-        return tau if self.overlap and tau < self.cfg.outer.local_steps_at(r) else None
-
-    def maybe_fold(self, r: int, i: int, fold: dict) -> None:
-        """Overlap, before step i of segment r (which started from θ_{r−1} + our progress, its base): fold θ_r in,
-        parameters ← θ_r + (parameters − base), keeping the progress made since the base (docs/overlap.md). When:
-        at fold["at"] (outer.overlap_steps = τ, or a replay: the step the published segment used), waiting for
-        θ_r if needed; adaptive (τ = 0): at the first step boundary after the prefetch thread has read θ_r, never
-        waiting. The wait is not training time (fold["wait"]); fold["step"] is recorded for replays."""
-        if fold["step"] is not None:
-            return
-        at = fold.get("at")
-        if at is not None and i != at:
-            return
-        if at is None and i < fold["H"] and self._prefetched != r:
-            return  # adaptive: θ_r is not read yet (the training thread looks at a flag, not at BASE_DIR)
-        t = time.perf_counter()
-        if self._prefetched != r and not self.paths.is_committed(r):
-            self.hb.beat(force=True, status="waiting for the outer step", round=r - 1)
-            wait_for(lambda: self.monitor() or self.paths.is_committed(r), None, self.poll)
-        params, names = self.trainer.params, self.theta.names
-        start = fold["base"]
-        q = {n: params[n].detach().to("cpu", torch.float32) - start[n] for n in names}
-        theta = dict(self.load_global(r))  # into the model; our own dict: the next prefetch replaces its entries
-        with torch.no_grad():
-            for n in names:
-                params[n].add_(q[n].to(params[n].device))
-        fold.update(base=theta, step=i, wait=time.perf_counter() - t)
-        log.info("round %d: folded θ_%d in after %d of %d steps (waited %.2f s for it)", r, r, i, fold["H"],
-                 fold["wait"])
-
-    def eager_gain(self, r: int) -> float:
-        """γ of round r's outer step (train/core/outer.py eager_gain), with the workers the layout gives round r."""
-        from train.core.outer import eager_gain
-
-        lay = self.layout()
-        return eager_gain(r, self.cfg.outer, lay.slots(r) if lay is not None else self.cfg.outer.num_workers)
 
     def finish_round(self, r: int, file: dict, meta: dict, data: dict, position: int, extra: dict) -> None:
         """The delta of round r is in our pending file: write our resume point (small, synchronous: the round is
@@ -588,39 +368,6 @@ class Worker:
             self.state["fold_steps"] = {**folds, str(r): meta["fold_step"]}
         atomic_write_json(self.paths.worker_state(self.w), self.state)
         self.publish_pending(r)
-
-    def publish_round(self, r: int, theta_r: dict, host: dict, meta: dict, data: dict, position: int, extra: dict,
-                      write_snapshot) -> None:
-        """Delayed overlap, on the publisher thread: encode and write Δ_r from the host copy, publish it, then
-        write the state snapshot of round r (the same files, in the same order, as the synchronous path)."""
-        pending = self.paths.worker_pending_delta(self.w, r)
-        file = write_delta(pending, self.theta.names, theta_r, host, self.delta_codec, r, self.w, self.residual)
-        self.finish_round(r, file, meta, data, position, extra)
-        write_snapshot()
-
-    # -- delayed overlap: the next global model, read ahead -----------------------------------------------------------
-    def start_prefetch(self, r: int) -> None:
-        """Bring our copy of θ to round r as soon as it is committed, on the prefetch thread."""
-        self.prefetch.cancel()
-        stop = self.prefetch.stop
-
-        def job() -> None:
-            while not self.paths.is_committed(r):
-                if stop.wait(self.poll):
-                    return
-            self.theta.advance_to(r)
-            self._prefetched = r
-
-        self._prefetch_round, self._prefetched = r, None
-        self.prefetch.submit(job)
-
-    def finish_prefetch(self, r: int) -> None:
-        """Before our copy of θ is used: wait for a prefetch of round r (its error is raised), cancel any other."""
-        if self._prefetch_round == r and (self._prefetched == r or self.paths.is_committed(r)):
-            self.prefetch.join()
-        else:
-            self.prefetch.cancel()
-        self._prefetch_round = None
 
     def data_slice(self, r: int) -> dict:
         """Our slice of round r's data: {segment, offset, windows} (rank 0 reads the layout; the group shares it)."""
