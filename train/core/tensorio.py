@@ -15,7 +15,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 from train.core import sharedfs
@@ -169,13 +169,16 @@ def save_streaming(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     return w.sha256
 
 
-def _parse_header(path: Path, head: bytes, size: int, read: "Callable[[int, int], bytes]") -> tuple[dict, int]:
+def _header_of(path: Path, fd: int) -> tuple[dict, int, int]:
+    """(header with __metadata__, its length n, the file size) of the open safetensors file `fd`, bounds checked."""
+    size = os.fstat(fd).st_size
+    head = sharedfs.pread(fd, 8, 0, path)
     if len(head) != 8:
         raise ValueError(f"{path}: too short to be safetensors")
     (n,) = struct.unpack("<Q", head)
     if n > min(size - 8, 100 << 20):
         raise ValueError(f"{path}: header length {n} exceeds the file")
-    return json.loads(read(n, 8)), n
+    return json.loads(sharedfs.pread(fd, n, 8, path)), n, size
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], dict[str, str]]:
@@ -183,9 +186,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], dict[str, str
     path = Path(path)
     fd = sharedfs.open_fd(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        header, _ = _parse_header(path, sharedfs.pread(fd, 8, 0, path), size,
-                                  lambda n, off: sharedfs.pread(fd, n, off, path))
+        header, _, _ = _header_of(path, fd)
     finally:
         os.close(fd)
     meta = header.pop("__metadata__", {}) or {}
@@ -208,9 +209,7 @@ def iter_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) ->
     path = Path(path)
     fd = sharedfs.open_fd(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        header, n = _parse_header(path, sharedfs.pread(fd, 8, 0, path), size,
-                                  lambda k, off: sharedfs.pread(fd, k, off, path))
+        header, n, size = _header_of(path, fd)
         header.pop("__metadata__", None)
         base = 8 + n
         for name in (names if names is not None else header):
@@ -245,18 +244,14 @@ class SequentialReader:
         self.path = Path(path)
         self._fd = sharedfs.open_fd(self.path, os.O_RDONLY)
         try:
-            size = os.fstat(self._fd).st_size
-            head = sharedfs.pread(self._fd, 8, 0, self.path)
-            self.header, n = _parse_header(self.path, head, size,
-                                           lambda k, off: sharedfs.pread(self._fd, k, off, self.path))
+            self.header, n, size = _header_of(self.path, self._fd)
+            self._hash = hashlib.sha256() if hash_bytes else None
+            if self._hash:  # the header's bytes as stored (the hash covers the whole file)
+                self._hash.update(sharedfs.pread(self._fd, 8 + n, 0, self.path))
         except BaseException:
             os.close(self._fd)
             raise
         self.metadata = self.header.pop("__metadata__", {}) or {}
-        self._hash = hashlib.sha256() if hash_bytes else None
-        if self._hash:
-            self._hash.update(head)
-            self._hash.update(sharedfs.pread(self._fd, n, 8, self.path))
         self._base = 8 + n
         self._size = size
         self._pos = 0
