@@ -14,7 +14,8 @@ import pytest
 
 from conftest import REPO, tiny_config
 from helpers_proc import script_cmd, wait_until
-from train.core.heartbeat import CoordinatorLease, CoordinatorWatch, coordinator_lease_path, pid_alive
+from train.core.coordinator_lease import CoordinatorLease, CoordinatorWatch, coordinator_lease_path
+from train.core.heartbeat import pid_alive
 from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, verify_manifest
 
 
@@ -296,7 +297,7 @@ def test_remote_status_shows_the_supervisor_its_restarts_and_the_coordinator_lea
     paths = RunPaths(tmp_path / "runs" / "t")
     lease = coordinator_lease_path(paths.root)
     child = (f"import sys, time; sys.path.insert(0, {str(REPO)!r})\n"
-             f"from train.core.heartbeat import CoordinatorLease\n"
+             f"from train.core.coordinator_lease import CoordinatorLease\n"
              f"CoordinatorLease({str(paths.root)!r}).start('collecting', round=1)\ntime.sleep(120)\n")
     try:
         ans = _remote(cfg, "start", "--role", "coordinator", "--check", "0.5", "--", sys.executable, "-c", child)

@@ -20,7 +20,7 @@ from train.core.background import OneSlot
 from train.core.config import RunConfig
 from train.core.errors import ProtocolError
 from train.core.data import TokenData, prepare_data
-from train.core.heartbeat import NO_LEASE, CoordinatorLease, coordinator_lease_path
+from train.core.coordinator_lease import NO_LEASE, CoordinatorLease, coordinator_lease_path
 from train.core.inner import evaluate
 from train.core.logs import make_metric_logger
 from train.core.model import (build_model, check_model_fits, load_tokenizer, load_weights_into, pick_device,
@@ -70,7 +70,7 @@ class Coordinator:
         self.evals = OneSlot("evaluate")  # a committed round's evaluation and metrics record, off the critical path
         # outer.overlap (docs/overlap.md); the coordinator asks it how far past the latest commit workers may train
         self.overlap = for_config(cfg.outer)
-        self.lease = NO_LEASE  # its lease (train/core/heartbeat.py), started by setup() once it holds the lock
+        self.lease = NO_LEASE  # its lease (train/core/coordinator_lease.py), started by setup() once it holds the lock
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -78,7 +78,7 @@ class Coordinator:
         # one coordinator per run: a second one (a forgotten `diloco.py`, a second launch) would race on commits
         self._lock_f = exclusive_lock(paths.root / "coordinator.lock", "the coordinator",
                                       lease=coordinator_lease_path(paths.root))
-        # its lease, from now until it exits (workers say so when it goes silent: train/core/heartbeat.py)
+        # its lease, from now until it exits (workers say so when it goes silent: train/core/coordinator_lease.py)
         self.lease = CoordinatorLease(paths.root).start("preparing", round=paths.latest_committed() or 0)
         # every check a user can fail comes before the run's identity is written (a fixed config then starts clean)
         self.tokenizer = load_tokenizer(cfg) if not cfg.data.fake_data or cfg.model.tokenizer else None

@@ -46,7 +46,8 @@ from train.core.dist import (
 from train.core.inner import InnerTrainer
 
 from train.core.background import OneSlot
-from train.core.heartbeat import CoordinatorWatch, Heartbeat
+from train.core.coordinator_lease import CoordinatorWatch
+from train.core.heartbeat import Heartbeat
 from train.diloco.overlap import for_config
 from train.diloco.resume import ResumeState
 from train.exchange.codec import Residual
@@ -88,7 +89,8 @@ class Worker(ResumeState):
         self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.poll = cfg.outer.poll_interval_s
         self.hb = Heartbeat(self.paths.progress(worker_id), worker_id)
-        # called while waiting: says when the coordinator dies or comes back (train/core/heartbeat.py); may raise
+        # called while waiting: says when the coordinator dies or comes back (train/core/coordinator_lease.py);
+        # may raise
         self.monitor = CoordinatorWatch.of(cfg, "diloco")  # (train_fsdp.py: its coordinator child died)
 
     # -- setup ----------------------------------------------------------------------------------------------------

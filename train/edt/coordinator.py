@@ -36,7 +36,7 @@ from train.edt.protocol import (create_claim, lease_age, mark_pruned, publish_me
                                 server_now, stale_count, write_committed, write_done, write_evaluated, write_genome)
 from train.edt.store import EDTPaths, member_id
 from train.core.evolution import fitness_function, generation_rng, rank_order, rank_pick, tournament
-from train.core.heartbeat import NO_LEASE, CoordinatorLease, coordinator_lease_path
+from train.core.coordinator_lease import NO_LEASE, CoordinatorLease, coordinator_lease_path
 from train.exchange.membership import Membership, local_pid_alive
 from train.core.logs import make_metric_logger
 from train.core.model import WEIGHTS, build_model, check_model_fits, load_tokenizer
@@ -70,7 +70,7 @@ class EDTCoordinator:
         self.P, self.G = population_size(cfg), cfg.edt.max_generations
         self.fitness = fitness_function(cfg.edt.fitness)
         self._ready = False
-        self.lease = NO_LEASE  # its lease (train/core/heartbeat.py), started by setup() once it holds the lock
+        self.lease = NO_LEASE  # its lease (train/core/coordinator_lease.py), started by setup() once it holds the lock
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -80,7 +80,7 @@ class EDTCoordinator:
         cfg, paths = self.cfg, self.paths
         self._lock_f = exclusive_lock(paths.root / "coordinator.lock", "the EDT coordinator",  # one per run
                                       lease=coordinator_lease_path(paths.root))
-        # its lease, from now until it exits (workers say so when it goes silent: train/core/heartbeat.py)
+        # its lease, from now until it exits (workers say so when it goes silent: train/core/coordinator_lease.py)
         self.lease = CoordinatorLease(paths.root).start("preparing")
         if paths.run_json.is_file() and read_json(paths.run_json).get("identity", {}).get("strategy") != "edt":
             raise ProtocolError(f"{paths.root} holds a DiLoCo run: give the EDT run another project_name")

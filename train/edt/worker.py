@@ -41,7 +41,8 @@ from train.core.store import (
     wait_for,
 )
 from train.core.tensorio import StreamingWriter, read_header
-from train.core.heartbeat import CoordinatorWatch, Heartbeat
+from train.core.coordinator_lease import CoordinatorWatch
+from train.core.heartbeat import Heartbeat
 
 log = logging.getLogger("edt-worker")
 

@@ -10,7 +10,7 @@ this terminal). This process only starts, watches and stops them, so any of them
   own state on BASE_DIR; one that still fails after its restarts stops the run with its log's tail (WorkerDied,
   exit 1), and so does the case where every worker has exited while the coordinator still waits for them;
 * the coordinator runs under the same supervisor and policy: killed, it is restarted and resumes from its last
-  commit, while the workers wait for it (they say so in their logs: train/core/heartbeat.py, CoordinatorWatch).
+  commit, while the workers wait for it (they say so in their logs: train/core/coordinator_lease.py, CoordinatorWatch).
   Its user error (exit 2) ends the simulation with exit 2 and the coordinator's own one-line message; a failure
   after its restarts with exit 1;
 * a supervisor that is killed takes its child with it (the kernel's parent-death signal); this process restarts
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from train.core.config import RunConfig
 from train.core.errors import EXIT_USER_ERROR, WorkerDied
-from train.core.heartbeat import STATUS_WAITING, coordinator_lease_path
+from train.core.coordinator_lease import STATUS_WAITING, coordinator_lease_path
 from train.launch.procs import LocalProcess, LocalWorkers, child_env, stop_all
 from train.core.store import RunPaths, prepare_run_dir, read_json, read_jsonl
 from train.core.strategies import Strategy

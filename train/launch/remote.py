@@ -41,7 +41,7 @@ from pathlib import Path
 
 from train.core.config import load_config
 from train.core.errors import UserError
-from train.core.heartbeat import coordinator_lease_path
+from train.core.coordinator_lease import coordinator_lease_path
 from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, sha256_file
 from train.launch.procs import supervised_argv
 
