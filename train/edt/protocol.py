@@ -80,7 +80,7 @@ def renew_lease(paths: EDTPaths, g: int, m: int, attempt: str) -> bool:
     if not holds_claim(paths, g, m, attempt):
         return False
     try:
-        os.utime(paths.claim(g, m))
+        sharedfs.retry("touch", paths.claim(g, m), lambda: os.utime(paths.claim(g, m)))
     except FileNotFoundError:
         return False
     return True
@@ -88,7 +88,7 @@ def renew_lease(paths: EDTPaths, g: int, m: int, attempt: str) -> bool:
 
 def release_claim(paths: EDTPaths, g: int, m: int, attempt: str) -> None:
     if holds_claim(paths, g, m, attempt):
-        paths.claim(g, m).unlink(missing_ok=True)
+        sharedfs.unlink(paths.claim(g, m))
 
 
 def requeue(paths: EDTPaths, g: int, m: int, why: str) -> int:
@@ -96,11 +96,11 @@ def requeue(paths: EDTPaths, g: int, m: int, why: str) -> int:
     n = stale_count(paths, g, m) + 1
     dst = paths.jobs_dir(g) / f"m{m:03d}.stale-{n}"
     try:
-        os.replace(paths.claim(g, m), dst)
+        sharedfs.replace(paths.claim(g, m), dst)
     except FileNotFoundError:
         return n - 1
     try:
-        info = json.loads(dst.read_text() or "{}")
+        info = json.loads(sharedfs.read_text(dst) or "{}")
     except ValueError:
         info = {}
     atomic_write_json(dst, {**info, "requeued": why, "requeued_at": time.time()})
@@ -114,9 +114,8 @@ def stale_count(paths: EDTPaths, g: int, m: int) -> int:
 def server_now(paths: EDTPaths, g: int) -> float:
     """The shared disk's clock: touch a file there and read its mtime, so lease ages never mix two hosts' clocks."""
     clock = paths.jobs_dir(g) / ".clock"
-    clock.touch()
-    os.utime(clock)
-    return clock.stat().st_mtime
+    sharedfs.retry("touch", clock, lambda: (clock.touch(), os.utime(clock)))
+    return sharedfs.stat(clock).st_mtime
 
 
 def lease_age(paths: EDTPaths, g: int, m: int, now: float) -> float | None:

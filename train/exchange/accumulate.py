@@ -15,6 +15,7 @@ import hashlib
 import torch
 from safetensors.torch import load as load_safetensors
 
+from train.core import sharedfs
 from train.core.store import RunPaths
 from train.core.tensorio import read_header
 from train.exchange.codec import Codec, CodecError
@@ -40,7 +41,7 @@ class Accumulator:
         late = late_weight is not None
         f = self.paths.delta_file(self.r - 1 if late else self.r, w)
         try:
-            data = f.read_bytes()
+            data = sharedfs.read_bytes(f)  # retried on a flaky mount (train/core/sharedfs.py)
         except OSError as e:
             raise RejectedDelta(w, f"unreadable delta file ({e})")
         self.bytes_read += len(data)
