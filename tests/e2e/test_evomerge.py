@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,6 +188,54 @@ def test_evomerge_three_specialists_two_generations_resume_after_sigkill(tmp_pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
     AutoModelForCausalLM.from_pretrained(str(paths.final))
     assert AutoTokenizer.from_pretrained(str(paths.final)).chat_template
+    assert_best_configs_round_trip(paths, tmp_path, cfg)
+
+
+def assert_best_configs_round_trip(paths: EDTPaths, tmp_path, cfg_path: str) -> None:
+    """best_config.yaml per generation and for the final member; `python -m train.merge best_config.yaml OUT`
+    rebuilds, bit for bit, the model its `# reproduces:` comment names (the merge before SFT, or the initial model
+    an elite carries); so does the YAML of every merged child of generation 1."""
+    import yaml
+
+    from train.core.config import load_config
+    from train.core.tensorio import load_tensors
+    from train.evomerge.mergekit_io import member_config
+    from train.edt.lineage import load_lineage
+    from train.merge.yaml_merge import run_yaml_merge
+    from train.merge.yaml_plan import Plan
+
+    def field(text: str, key: str) -> str | None:
+        return next((ln.split(": ", 1)[1] for ln in text.splitlines() if ln.startswith(f"# {key}: ")), None)
+
+    final = read_json(paths.done)["best"]
+    text = (paths.root / "best_config.yaml").read_text()
+    last = (paths.gen_dir(1) / "best_config.yaml").read_text()  # the same member: the same recipe
+    assert text.splitlines()[1:] == last.splitlines()[1:] and final in text.splitlines()[0]
+    assert (paths.gen_dir(0) / "best_config.yaml").is_file()
+    assert yaml.safe_load(text)["merge_method"] in ("passthrough", "linear", "slerp", "task_arithmetic", "ties",
+                                                     "dare_linear", "dare_ties")
+    seed = field(text, "random-seed")
+    out = run_script("-m", "train.merge", str(paths.root / "best_config.yaml"), str(tmp_path / "rebuilt"),
+                     *(["--random-seed", seed] if seed else []), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = Path(field(text, "reproduces"))
+    got, ref = load_tensors(tmp_path / "rebuilt" / "model.safetensors"), load_tensors(want / "model.safetensors")
+    assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    cfg, lineage = load_config(cfg_path, strategy="edt"), load_lineage(paths.root)
+    for i, r in enumerate(r for r in lineage if r["generation"] == 1 and not r["elite"]):
+        text, info = member_config(cfg, paths.root, lineage, r["id"], "a test")
+        assert field(text, "sft-mutated") == "true" and info["reproduces"] == str(paths.job_dir(1, r["member"]))
+        rebuilt = tmp_path / r["id"].replace("/", "-")
+        if i == 0:  # the command on a merge (the final member above may be an elite: a passthrough)
+            (tmp_path / "child.yaml").write_text(text)
+            seed = ["--random-seed", str(info["seed"])] if info["seed"] is not None else []
+            out = run_script("-m", "train.merge", str(tmp_path / "child.yaml"), str(rebuilt), *seed, timeout=120)
+            assert out.returncode == 0, out.stderr[-2000:]
+        else:  # the same, in process
+            run_yaml_merge(Plan(yaml.safe_load(text), tmp_path), rebuilt, seed=info["seed"] or 0)
+        got = load_tensors(rebuilt / "model.safetensors")
+        ref = load_tensors(paths.job_dir(1, r["member"]) / "model.safetensors")
+        assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref), r["hyper"]["method"]
 
 
 def test_lora_mutation_trains_merges_back_and_scores(tmp_path, specialists):

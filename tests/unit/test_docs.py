@@ -54,7 +54,7 @@ def test_files_the_docs_name_exist():
     tests/unit and tests/e2e once and five docs kept the old paths."""
     missing = []
     for f in [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]:
-        for m in re.findall(r"(?<![\w/.])((?:tests|bench|train|configs|scripts)/[\w/.-]+\.(?:py|json|md))",
+        for m in re.findall(r"(?<![\w/.])((?:tests|bench|train|configs|scripts)/[\w/.-]+\.(?:py|json|md))(?!\w)",
                             f.read_text()):
             if not (REPO / m).exists():
                 missing.append(f"{f.name}: {m}")

@@ -28,7 +28,8 @@ class EDTConfig:
     mutation_steps: int = doc(0, "Inner AdamW steps of one mutation (per member and generation); 0 = "
                                  "outer.local_steps.")
     fitness: str = doc("inverse_loss", "Fitness of a member from its eval loss: inverse_loss (1/loss, the "
-                                       "prototype's), neg_loss, tasks (evomerge: the weighted task score), or "
+                                       "prototype's), neg_loss, tasks (evomerge: the weighted task score), lm_eval "
+                                       "(evomerge: the weighted lm-evaluation-harness score, evomerge.lm_eval), or "
                                        "`module:function` (called with the member's result dict, returns a float; "
                                        "higher is fitter).")
     genes: dict = doc({"inner_lr": [0.5, 2.0], "outer_lr": [0.5, 1.0], "outer_momentum": [0.0, 0.9],
@@ -68,9 +69,10 @@ class EDTConfig:
         check_choice(self, p, "selection", ("tournament", "rank"))
         check_choice(self, p, "crossover", ("outer_sgd", "linear", "slerp"))
         check_choice(self, p, "mode", ("pretrain", "evomerge"))
-        if self.fitness not in ("inverse_loss", "neg_loss", "tasks") and not (
+        if self.fitness not in ("inverse_loss", "neg_loss", "tasks", "lm_eval") and not (
                 self.fitness.count(":") == 1 and all(self.fitness.split(":"))):
-            raise bad_value(p + "fitness", self.fitness, "must be inverse_loss, neg_loss, tasks or module:function")
+            raise bad_value(p + "fitness", self.fitness,
+                            "must be inverse_loss, neg_loss, tasks, lm_eval or module:function")
         for i, m in enumerate(self.initial_population):
             if not isinstance(m, str) or not m:
                 raise bad_value(f"{p}initial_population[{i}]", m, "must be a non-empty string (hub id or path)")
@@ -92,6 +94,50 @@ class EDTConfig:
 
 MERGE_METHODS = ("linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties")
 BASE_METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")  # need evomerge.base_model (task vectors)
+
+# -- evomerge.lm_eval: the shape only (names and metrics are checked against lm-eval by the worker,
+# train/evomerge/lm_eval_fitness.py)
+LM_EVAL_KEYS = ("tasks", "include_path", "include_defaults", "limit", "num_fewshot", "batch_size",
+                "apply_chat_template")
+
+
+def check_lm_eval(le: dict, where: str) -> None:
+    def is_int(v, lo: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+    if not le:
+        return
+    unknown = sorted(set(le) - set(LM_EVAL_KEYS))
+    if unknown:
+        raise bad_value(where, le, f"unknown key {unknown[0]!r}; allowed: {', '.join(LM_EVAL_KEYS)}")
+    tasks = le.get("tasks")
+    if not isinstance(tasks, list) or not tasks:
+        raise bad_value(where + ".tasks", tasks, "must be a non-empty list of lm-eval tasks: names or {\"name\": "
+                                                 "..., \"weight\": 1.0, \"metric\": \"acc,none\"}")
+    for i, t in enumerate(tasks):
+        t = {"name": t} if isinstance(t, str) else t
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"] or \
+                set(t) - {"name", "weight", "metric"}:
+            raise bad_value(f"{where}.tasks[{i}]", tasks[i], "must be a task name or an object with name and "
+                                                              "optional weight and metric (no other keys)")
+        w, m = t.get("weight", 1.0), t.get("metric", "acc,none")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or w != w or abs(w) == float("inf"):
+            raise bad_value(f"{where}.tasks[{i}].weight", w, "must be a finite number")
+        if not isinstance(m, str) or not m or m.count(",") > 1:
+            raise bad_value(f"{where}.tasks[{i}].metric", m, "must be a metric (acc) or metric,filter (acc,none)")
+    inc = le.get("include_path")
+    if inc is not None and not (isinstance(inc, str) and inc) and not (
+            isinstance(inc, list) and all(isinstance(x, str) and x for x in inc)):
+        raise bad_value(where + ".include_path", inc, "must be a folder of task YAMLs (or a list of folders)")
+    lim = le.get("limit")
+    if lim is not None and not is_int(lim, 1) and not (isinstance(lim, float) and 0 < lim < 1):
+        raise bad_value(where + ".limit", lim, "must be null, a document count >= 1 or a fraction in (0, 1)")
+    for key, lo in (("num_fewshot", 0), ("batch_size", 1)):
+        if le.get(key) is not None and not is_int(le[key], lo):
+            raise bad_value(f"{where}.{key}", le[key], f"must be null or an integer >= {lo}")
+    for key in ("include_defaults", "apply_chat_template"):
+        if not isinstance(le.get(key, False), bool):
+            raise bad_value(f"{where}.{key}", le[key], "must be true or false")
 
 
 @dataclass(kw_only=True)
@@ -119,8 +165,18 @@ class EvoMergeConfig:
     max_new_tokens: int = doc(16, "Greedy generation limit of exact_match evaluation.")
     lora: dict = doc({}, "LoRA for the SFT mutation (needs peft), e.g. {\"r\": 8, \"alpha\": 16}; merged into the "
                          "weights after each mutation. {} = full fine-tuning (the default for small models).")
+    # lm-evaluation-harness fitness (train/evomerge/lm_eval_fitness.py; needs pip install edt[lmeval])
+    lm_eval: dict = doc({}, "lm-evaluation-harness tasks scored in-process on every member: {\"tasks\": [{name, "
+                            "weight, metric}] (mergekit-evolve's shape; metric default acc,none), \"include_path\": "
+                            "folder of local task YAMLs, \"include_defaults\", \"limit\", \"num_fewshot\", "
+                            "\"batch_size\" (default eval.batch_size), \"apply_chat_template\"}; edt.fitness = "
+                            "lm_eval ranks by their weighted sum (lower-is-better metrics such as perplexity count "
+                            "negatively). {} = none.")
     train_initial: bool = doc(False, "Also mutate (SFT) generation 0; off: the fine-tunes are evaluated as given, "
                                      "so the first generation is the baseline the merges are measured against.")
+    initial_recipe: str = doc("", "A mergekit YAML (path) whose merge_method and parameters seed generation 0's "
+                                  "recipe genes; its two models become edt.initial_population and its base_model "
+                                  "evomerge.base_model where those are empty (docs/evomerge.md).")
 
     def validate(self, p: str) -> None:
         for i, m in enumerate(self.methods):
@@ -159,6 +215,7 @@ class EvoMergeConfig:
         check_range(self, p, "sft_items", 1)
         check_range(self, p, "max_length", 8)
         check_range(self, p, "max_new_tokens", 1)
+        check_lm_eval(self.lm_eval, p + "lm_eval")
         unknown = set(self.lora) - {"r", "alpha", "dropout", "target_modules"}
         if unknown:
             raise bad_value(p + "lora", self.lora, f"unknown key {sorted(unknown)[0]!r}; allowed: r, alpha, dropout, "

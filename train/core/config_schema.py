@@ -13,6 +13,7 @@ from pathlib import Path
 
 from train.core.config_evolution import EDTConfig, EvoMergeConfig
 from train.core.config_fields import bad_value, check_choice, check_range, doc
+from train.core.config_recipe import apply_initial_recipe
 from train.core.config_training import InnerConfig, OuterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -111,6 +112,8 @@ class RunConfig:
             raise bad_value("base_dir", self.base_dir,
                             "must be a folder path: the folder runs live in, on a disk every machine sees (e.g. "
                             "/mnt/shared/edt_run), or \".\" for the config file's folder")
+        if self.evomerge.initial_recipe:  # a mergekit YAML's models, before the sections check them
+            apply_initial_recipe(self)
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
@@ -125,6 +128,9 @@ class RunConfig:
             raise bad_value("edt.elitism", self.edt.elitism,
                             f"must be <= the population, {population} ({why}): elites are members of the next "
                             f"generation; lower edt.elitism or raise edt.population_size")
+        if self.edt.fitness == "lm_eval" and (self.edt.mode != "evomerge" or not self.evomerge.lm_eval):
+            raise bad_value("edt.fitness", "lm_eval", "ranks by lm-evaluation-harness tasks: needs edt.mode = "
+                                                      "evomerge and evomerge.lm_eval.tasks (docs/evomerge.md)")
         if self.edt.mode == "evomerge":
             if not self.edt.initial_population:
                 raise bad_value("edt.initial_population", [], "evomerge needs the fine-tuned models to merge (hub ids "

@@ -61,7 +61,15 @@ def tasks(result: Mapping) -> float:
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else float("-inf")
 
 
-FITNESS: dict[str, Callable[[Mapping], float]] = {"inverse_loss": inverse_loss, "neg_loss": neg_loss, "tasks": tasks}
+def lm_eval(result: Mapping) -> float:
+    """EvoMerge: the weighted sum of the member's lm-evaluation-harness scores (evomerge.lm_eval; lower-is-better
+    metrics such as perplexity counted negatively), computed by the worker."""
+    v = result.get("lm_eval_fitness")
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else float("-inf")
+
+
+FITNESS: dict[str, Callable[[Mapping], float]] = {"inverse_loss": inverse_loss, "neg_loss": neg_loss, "tasks": tasks,
+                                                  "lm_eval": lm_eval}
 
 
 def fitness_function(spec: str) -> Callable[[Mapping], float]:

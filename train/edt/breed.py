@@ -97,7 +97,7 @@ def write_initial_population(cfg: RunConfig, paths: EDTPaths, breeding) -> list[
             raise ConfigError(f"edt.initial_population: {spec!r} has another architecture than {specs[0]!r}; "
                               f"crossover needs every member to have the same tensor names and shapes")
         shapes = sh
-        dna = fit_dna(random_dna(breeding.genes, dna_rng), breeding.genes, dna_rng)
+        dna = breeding.initial_dna(fit_dna(random_dna(breeding.genes, dna_rng), breeding.genes, dna_rng))
         genome = {"id": member_id(0, m), "generation": 0, "member": m, "parents": [], "origin": spec,
                   "kind": model_source(cfg, spec)[0], "dna": dna, "mutated": False, "elite": False,
                   "hyper": breeding.hyper(dna, 0, m)}
@@ -134,6 +134,10 @@ class PretrainBreeding:
     def hyper(self, dna: dict, g: int, m: int) -> dict:
         """The hyperparameters a DNA selects."""
         return decode(dna, self.cfg.edt.genes, base_hyper(self.cfg))
+
+    def initial_dna(self, dna: dict) -> dict:
+        """A DNA of generation 0 (random: pretraining has no initial recipe)."""
+        return dna
 
     def origin(self, hyper: dict, elite: bool) -> str:
         return self.cfg.edt.crossover

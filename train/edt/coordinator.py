@@ -309,6 +309,7 @@ class EDTCoordinator:
             write_genome(paths, g, mb.m, genome, new_in_lineage=mb.id not in logged)
         best = members[rank_order([mb.fitness for mb in members])[0]]
         write_evaluated(paths, g, best.m, best.id, {f"m{mb.m:03d}": mb.fitness for mb in members})
+        mode_of(self.cfg).evaluated(self, g, best.id)  # EvoMerge: the best member's recipe as mergekit YAML
         if not any(r.get("generation") == g for r in read_jsonl(paths.metrics)):
             self.logger.log(self.metrics_record(g, members))
         return members

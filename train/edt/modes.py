@@ -7,8 +7,10 @@
                mutation is SFT on the DNA's data mix, fitness comes from task scores; a report closes the run.
 
 A mode names what differs between the two: the extra run identity, the coordinator's setup, the breeding strategy
-(train/edt_breed.PretrainBreeding, train/evomerge.EvoMergeBreeding), the worker's mutation, the summary line and
-what happens after the final member is published. Adding a mode means adding a class here and its name to MODES.
+(train/edt_breed.PretrainBreeding, train/evomerge.EvoMergeBreeding), the worker's mutation, the summary line,
+what happens after each generation is evaluated (EvoMerge: best_config.yaml) and after the final member is
+published (EvoMerge: the report and the final best_config.yaml). Adding a mode means adding a class here and its
+name to MODES.
 """
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ class PretrainMode:
     def mutation(self, cfg: "RunConfig", paths: "EDTPaths", device: "torch.device"):
         from train.edt.mutate import PretrainMutation
         return PretrainMutation(cfg, paths, device)
+
+    def evaluated(self, coord, g: int, best_id: str) -> None:
+        pass
 
     def finish(self, coord, final_id: str) -> None:
         pass
@@ -67,8 +72,17 @@ class EvoMergeMode:
         from train.evomerge.mutate import EvoMergeMutation
         return EvoMergeMutation(cfg, device)
 
+    def evaluated(self, coord, g: int, best_id: str) -> None:
+        """generations/gXXXXXX/best_config.yaml: the recipe of the generation's fittest member as mergekit YAML."""
+        from train.evomerge.mergekit_io import write_best_config
+        write_best_config(coord.cfg, coord.paths.root, best_id, coord.paths.gen_dir(g) / "best_config.yaml",
+                          f"best of generation {g}")
+
     def finish(self, coord, final_id: str) -> None:
+        from train.evomerge.mergekit_io import write_best_config
         coord.write_report(final_id)
+        write_best_config(coord.cfg, coord.paths.root, final_id, coord.paths.root / "best_config.yaml",
+                          "final model (final/)")
 
     def summary(self, cfg: "RunConfig") -> str:
         from train.edt.breed import population_size, steps_per_mutation
@@ -77,7 +91,7 @@ class EvoMergeMode:
         return (f"{cfg.project_name}: EvoMerge of {len(set(ec.initial_population))} models, population "
                 f"{population_size(cfg)} x {ec.max_generations} generations, methods {', '.join(em.merge_methods)}, "
                 f"mutation: {mutation}, fitness {[t['name'] for t in em.tasks]}, {cfg.outer.num_workers} workers "
-                f"-> {cfg.run_dir}")
+                f"-> {cfg.run_dir}" + (f"; initial recipe {em.initial_recipe}" if em.initial_recipe else ""))
 
 
 MODES = {m.name: m for m in (PretrainMode(), EvoMergeMode())}

@@ -29,12 +29,9 @@ from typing import Callable
 from train.core.errors import ConfigError, NotFound
 from train.core.config import BASE_METHODS, RunConfig
 from train.core.evolution import decode as decode_genes
+from train.evomerge.mergekit_io import NORMALIZE, SPARSE, recipe_genes
 
 log = logging.getLogger("edt-coordinator")
-
-NORMALIZE = {"linear": True, "slerp": False, "task_arithmetic": False, "ties": True, "dare_linear": False,
-             "dare_ties": True}  # mergekit's defaults per method
-SPARSE = ("ties", "dare_linear", "dare_ties")
 
 
 # -- the genome ------------------------------------------------------------------------------------------------------
@@ -151,6 +148,10 @@ class EvoMergeBreeding:
 
     def hyper(self, dna: dict, g: int, m: int) -> dict:
         return decode_evomerge(dna, self.cfg, g, m)
+
+    def initial_dna(self, dna: dict) -> dict:
+        """A DNA of generation 0: random, but with evomerge.initial_recipe's recipe genes when it is set."""
+        return {**dna, **recipe_genes(self.cfg, self.genes)} if self.cfg.evomerge.initial_recipe else dna
 
     def origin(self, hyper: dict, elite: bool) -> str:
         return "elite" if elite else hyper["method"]

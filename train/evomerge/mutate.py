@@ -6,7 +6,8 @@ One job (a merged child, or a fine-tune of generation 0):
      mutation); the member slot's sample position continues across generations, so nothing is replayed.
   2. Fitness: every member is scored on the SAME fixed held-out items of each task in evomerge.tasks (greedy
      exact match, held-out SFT loss, or a user function); `eval_loss` is the held-out SFT loss on the answers of
-     all tasks' items (what `edt.fitness = inverse_loss` ranks by).
+     all tasks' items (what `edt.fitness = inverse_loss` ranks by). With evomerge.lm_eval, the member is also
+     scored by lm-evaluation-harness tasks in process (train/evomerge/lm_eval_fitness.py: `lm_eval_fitness`).
 Items come from the eval split (disjoint from training by construction, train/evomerge/tasks.py) with the run's seed.
 """
 from __future__ import annotations
@@ -55,6 +56,10 @@ class EvoMergeMutation:
         self.items = fixed_items(self.specs, cfg.seed)  # the same held-out items for every member, loaded once
         # eval_loss: the answers of every task's held-out items (what edt.fitness = inverse_loss ranks by)
         self.loss_items = [it for s in self.specs for it in self.items[s.name]]
+        self.lm_eval = None  # evomerge.lm_eval: lm-evaluation-harness tasks, names and metrics checked here
+        if em.lm_eval:
+            from train.evomerge.lm_eval_fitness import LMEvalFitness
+            self.lm_eval = LMEvalFitness.from_config(cfg)
 
     def __call__(self, model, job: dict, g: int, m: int, on_step, tmp) -> dict:
         cfg, em = self.cfg, self.cfg.evomerge
@@ -75,7 +80,12 @@ class EvoMergeMutation:
                             items=self.items)
         eval_loss = eval_sft_loss(model, self.tokenizer, self.loss_items, batch_size=cfg.eval.batch_size,
                                   max_length=em.max_length)
+        scores, extra = dict(ev["scores"]), {}
+        if self.lm_eval is not None:  # scores gain task/metric keys; edt.fitness = lm_eval reads lm_eval_fitness
+            le = self.lm_eval(model, self.tokenizer)
+            scores.update(le["scores"])
+            extra = {"lm_eval_fitness": le["fitness"], "lm_eval_seconds": le["seconds"]}
         return {"eval_loss": eval_loss, "train_loss": stats["train_loss"], "tokens": stats["tokens"],
-                "position": {"sft": stats["position"]}, "scores": ev["scores"], "task_fitness": ev["fitness"],
+                "position": {"sft": stats["position"]}, "scores": scores, "task_fitness": ev["fitness"], **extra,
                 "train_seconds": stats["seconds"], "eval_seconds": time.perf_counter() - t0,
                 "bytes_read": 0, "bytes_written": 0}

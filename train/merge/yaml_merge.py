@@ -21,6 +21,7 @@ from train.core.store import atomic_publish_dir, new_tmp_dir, write_manifest
 from train.core.tensorio import StreamingWriter
 from train.merge import kernels
 from train.merge.methods import Recipe, merge_tensor, tensor_seed
+from train.merge.stream import _all_finite, _intra_op_threads
 from train.merge.yaml_plan import GTA, OutTensor, Plan
 
 DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -144,7 +145,11 @@ def apply_chat_template(plan: Plan, out_dir: Path) -> None:
 
 
 def run_yaml_merge(plan: Plan, out_dir: Path, *, seed: int = 0, device: str = "cpu", copy_tokenizer: bool = True,
-                   progress: bool = False) -> dict:
+                   progress: bool = False, threads: int | None = 1) -> dict:
+    """`threads`: torch intra-op threads while merging on the CPU (None: torch's setting). One, as
+    merge_model_dirs: a float32 reduction (slerp's angle, DARE's norms) sums in another order with another thread
+    count, so one thread is what makes this command rebuild an EvoMerge merge bit for bit (and it is not slower on
+    these memory-bound kernels)."""
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     specs = {}
@@ -171,10 +176,11 @@ def run_yaml_merge(plan: Plan, out_dir: Path, *, seed: int = 0, device: str = "c
         if progress:
             from tqdm import tqdm
             tensors = tqdm(tensors, desc=f"merge ({plan.method_name})", unit="tensor")
-        with StreamingWriter(tmp / "model.safetensors", specs, metadata={"format": "pt"}) as w:
+        with _intra_op_threads(threads if device == "cpu" else None), \
+                StreamingWriter(tmp / "model.safetensors", specs, metadata={"format": "pt"}) as w:
             for ot in tensors:
                 t = merge_one(plan, ot, seed, device, specs[ot.name][0])
-                finite = finite and kernels.is_finite(t)
+                finite = finite and _all_finite(t)  # chunk by chunk: isfinite(t) would double the peak
                 w.write(ot.name, t)
         write_manifest(tmp, hashes={"model.safetensors": w.sha256})
         atomic_publish_dir(tmp, out_dir)

@@ -261,8 +261,9 @@ class Plan:
                     if m.config.get(key) != first.config.get(key):
                         raise MergeError(f"{where}: different architectures ({key} {m.config.get(key)!r} vs "
                                          f"{first.config.get(key)!r}); --allow-crimes merges them anyway")
+            tv, tv0 = _tokenizer_vocab(m.dir), _tokenizer_vocab(first.dir)  # None: no tokenizer.json to compare
             if m.config.get("vocab_size") != first.config.get("vocab_size") or \
-                    _tokenizer_vocab(m.dir) != _tokenizer_vocab(first.dir):
+                    (tv is not None and tv0 is not None and tv != tv0):
                 sizes = [(x.config.get("vocab_size"), _tokenizer_vocab(x.dir)) for x in (m, first)]
                 raise MergeError(f"{where}: vocabularies differ (vocab_size {sizes[0][0]} vs {sizes[1][0]}, "
                                  f"tokenizer {sizes[0][1]} vs {sizes[1][1]} tokens); mergekit aligns them with "
