@@ -25,6 +25,9 @@ base x_0, task vectors δ_i = x_i − x_0:
 * arcee_fusion   importance |x_1 − x_0|·KL(softmax x_1 ‖ softmax x_0) (last dim); keep δ where importance ≥
                  median + 1.5·IQR (quantiles by index into the sorted values).
 * passthrough    the single input, times `scale` if given.
+* ram            m_i = |δ_i| > ε, c = Σ m_i per position; x_0 + Σ_i m_i·δ_i·(1 where c = 1, else 1/c).
+* ramplus_tl     as ram, but each model's unique positions (c = 1) are scaled by λ_i = 1 + r·clamp(ρ_i, 0, α),
+                 ρ_i = #(m_i, c > 1) / max(#(m_i, c = 1), ε), counted over the whole tensor.
 
 Randomness (dare_*, della*, arcee_fusion on > 1M elements): one torch.Generator per output tensor, seeded with
 train.merge.methods.tensor_seed(--random-seed, output tensor name); each model in order draws torch.rand(numel)
@@ -280,6 +283,25 @@ def arcee_fusion(base: Tensor, x: Tensor, generator: torch.Generator | None = No
     q1, median, q3 = ordered[(torch.tensor([0.25, 0.5, 0.75], device=flat.device) * (ordered.numel() - 1)).long()]
     mask = (importance >= median + 1.5 * (q3 - q1)).to(x.dtype)
     return base + (x - base) * mask
+
+
+def ram(base: Tensor, xs: Sequence[Tensor], epsilon: float = 1e-5, r: float | None = None,
+        alpha: float = 0.2) -> Tensor:
+    """Reinforced Agent Merging; r given: RAM+ tensor-local (ramplus_tl)."""
+    if not xs:
+        return base
+    deltas = torch.stack([x - base for x in xs]).reshape(len(xs), -1)
+    keep = deltas.abs() > epsilon
+    count = keep.sum(dim=0)
+    solo, shared = count == 1, count > 1
+    deltas = deltas * keep
+    solo_scale = torch.ones(len(xs), 1, dtype=deltas.dtype, device=deltas.device)
+    if r is not None:
+        n_shared = (keep & shared).sum(dim=1).to(deltas.dtype)
+        n_solo = (keep & solo).sum(dim=1).to(deltas.dtype)
+        solo_scale = (1 + r * (n_shared / n_solo.clamp(min=epsilon)).clamp(min=0, max=alpha)).unsqueeze(1)
+    merged = (deltas * solo * solo_scale + deltas * shared / count.clamp(min=1)).sum(dim=0)
+    return base + merged.reshape(base.shape)
 
 
 def passthrough(x: Tensor, scale: float | None = None) -> Tensor:

@@ -6,6 +6,8 @@ method reads its inputs' tensor whole, as float32, and runs train.merge.kernels.
 dtype first (mergekit loads them so); arithmetic is float32. The output has `out_dtype`, else `dtype`, else the first
 input's dtype; model.safetensors + config.json (the base model's, else the first model's, with the output layer
 count) + the donor's tokenizer files, then MANIFEST.json, then one atomic rename: a failed merge leaves no OUT_DIR.
+With tokenizer_source (train.merge.vocab) the embeddings are remapped onto the built tokenizer's vocabulary (whole
+tensors) and that tokenizer is written instead of the donor's files.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def merge_one(plan: Plan, ot: OutTensor, seed: int, device: str, out_dtype: torc
     files0, name0 = ot.inputs[0][0].files, ot.inputs[0][1]
     _, _, shape, _, _ = files0.info[name0]
     numel = torch.Size(shape).numel()
-    recipe = _recipe(method, ot, seed, numel) if method in CHUNKED and device == "cpu" else None
+    recipe = _recipe(method, ot, seed, numel) if method in CHUNKED and device == "cpu" and not ot.vocab else None
     if recipe is not None:
         srcs = [_source(s.files, n, dtype) for s, n in ot.inputs]
         base = None
@@ -76,6 +78,8 @@ def merge_one(plan: Plan, ot: OutTensor, seed: int, device: str, out_dtype: torc
             srcs = [base, srcs[0]]
         return merge_tensor(recipe, ot.name, srcs, base, numel, shape, out_dtype, plan.num_layers)
     xs = [_whole(s.files, n, dtype, device) for s, n in ot.inputs]
+    if ot.vocab:
+        xs = plan.vocab.remap(xs, [s.ref for s, _ in ot.inputs], ot.vocab_base)
     base = None if ot.base_index is None else xs[ot.base_index]
     others = [x for i, x in enumerate(xs) if i != ot.base_index]
     nb = [p for i, p in enumerate(ot.per_model) if i != ot.base_index]
@@ -112,6 +116,9 @@ def merge_one(plan: Plan, ot: OutTensor, seed: int, device: str, out_dtype: torc
         out = kernels.nearswap(base, others[0], float(sh["t"]))
     elif method == "arcee_fusion":
         out = kernels.arcee_fusion(base, others[0], generator=gen)
+    elif method in ("ram", "ramplus_tl"):
+        out = kernels.ram(base, others, float(sh["epsilon"]), float(sh["r"]) if method == "ramplus_tl" else None,
+                          float(sh.get("alpha", 0.2)))
     elif method == "passthrough":
         out = kernels.passthrough(xs[0], ot.per_model[0].get("scale"))
     else:  # pragma: no cover — yaml_plan.METHODS and this dispatch list the same names
@@ -120,11 +127,13 @@ def merge_one(plan: Plan, ot: OutTensor, seed: int, device: str, out_dtype: torc
 
 
 def apply_chat_template(plan: Plan, out_dir: Path) -> None:
-    """chat_template: `auto` (the most common one of the inputs) or a Jinja template string, written into the
-    output's tokenizer_config.json. mergekit's named built-ins (chatml, llama3, ...) are refused."""
+    """chat_template: `auto` (the most common one of the inputs), one of mergekit's named templates
+    (train.merge.chat_templates) or a Jinja template string, written into the output's tokenizer_config.json."""
+    from train.merge.chat_templates import named_template
     tpl = plan.chat_template
     if tpl is None:
         return
+    tpl = named_template(tpl) or tpl
     if tpl == "auto":
         found = []
         for m in plan.models:
@@ -132,8 +141,10 @@ def apply_chat_template(plan: Plan, out_dir: Path) -> None:
             t = json.loads(p.read_text()).get("chat_template") if p.is_file() else None
             if t is None and (m.dir / "chat_template.jinja").is_file():
                 t = (m.dir / "chat_template.jinja").read_text()
-            if isinstance(t, str):
-                found.append(t)
+            if isinstance(t, list):  # named templates: mergekit takes the default one
+                t = next((e.get("template") for e in t if isinstance(e, dict) and e.get("name") == "default"), None)
+            if isinstance(t, str) and t.strip():
+                found.append(t.strip())
         if not found:
             return
         tpl = max(found, key=found.count)
@@ -157,7 +168,10 @@ def run_yaml_merge(plan: Plan, out_dir: Path, *, seed: int = 0, device: str = "c
         files, name = ot.inputs[0][0].files, ot.inputs[0][1]
         dt = files.info[name][1]
         want = plan.out_dtype or plan.dtype
-        specs[ot.name] = (DT[want] if want and dt.is_floating_point else dt, files.info[name][2])
+        shape = files.info[name][2]
+        if ot.vocab:
+            shape = (plan.vocab.size, *shape[1:])
+        specs[ot.name] = (DT[want] if want and dt.is_floating_point else dt, shape)
         if not dt.is_floating_point:
             raise MergeError(f"tensor {ot.name}: non-floating tensors ({dt}) are not supported by this command")
     donor = plan.tokenizer_donor()
@@ -167,7 +181,10 @@ def run_yaml_merge(plan: Plan, out_dir: Path, *, seed: int = 0, device: str = "c
         (tmp / "config.json").write_text(json.dumps(plan.out_config(), indent=2) + "\n")
         if (donor.dir / "generation_config.json").is_file():
             shutil.copy2(donor.dir / "generation_config.json", tmp / "generation_config.json")
-        if copy_tokenizer:
+        if plan.vocab is not None:  # a built tokenizer is always written, as mergekit does
+            plan.vocab.save(tmp)
+            apply_chat_template(plan, tmp)
+        elif copy_tokenizer:
             for f in TOKENIZER_FILES:
                 if (donor.dir / f).is_file():
                     shutil.copy2(donor.dir / f, tmp / f)

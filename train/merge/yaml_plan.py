@@ -7,6 +7,8 @@ gradients at t = i / (L − 1) (t = 1 for L = 1). A parameter resolves, first fo
 slice's, the top-level `parameters`, the method's default; a value is a number, a gradient list (piecewise linear in
 t), or a list of {filter, value} (the first whose filter is a substring of the tensor name, `*` or none matching
 all). Per-model parameters are matched against the input's own tensor name, shared ones against the output's.
+With tokenizer_source (or a `tokenizer:` section) the vocabulary-indexed tensors are marked for train.merge.vocab's
+remapping onto the output tokenizer, and their shapes compared past the vocabulary axis.
 Everything here is checked from YAML, config.json and safetensors headers: nothing is read or written before the
 plan is whole, and every refusal is one MergeError line.
 """
@@ -59,14 +61,14 @@ METHODS: dict[str, Method] = {
     "nearswap": Method("required", {"t": REQ}, inputs=(2, 2)),
     "arcee_fusion": Method("required", {}, inputs=(2, 2)),
     "passthrough": Method("ignored", {}, {"scale": None}, per_base_too=True, inputs=(1, 1)),
+    "ram": Method("required", {"epsilon": 1e-5}),
+    "ramplus_tl": Method("required", {"r": 0.1, "alpha": 0.2, "epsilon": 1e-5}),
     **{name: Method("required", {"int8_mask": False, "normalize": spec[2], "rescale": spec[3], "lambda": 1.0},
                     _gta(spec[0])) for name, spec in GTA.items()},
 }
-NOT_SUPPORTED_METHODS = ("ram", "ramplus_tl")
 TOP_KEYS = {"models", "slices", "merge_method", "base_model", "parameters", "dtype", "out_dtype", "tokenizer_source",
-            "chat_template", "name"}
+            "chat_template", "name", "tokenizer"}
 REFUSED_TOP_KEYS = {"modules": "per-module merges (`modules:`) are not supported; use `models:` or `slices:`",
-                    "tokenizer": "the `tokenizer:` section (added tokens, pad_to_multiple_of) is not supported",
                     "residual_weight": "residual_weight is not supported"}
 DTYPES = {"float32", "float16", "bfloat16", "float64"}
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
@@ -121,6 +123,8 @@ class OutTensor:
     base_index: int | None
     shared: dict
     per_model: list[dict]          # one per input (non-base inputs only for NON_BASE parameters)
+    vocab: bool = False            # rows are tokens: remapped onto the tokenizer_source vocabulary first
+    vocab_base: int | None = None  # the input that is the slice's base model, whatever the method does with it
 
 
 def resolve_model(ref: str, config_dir: Path) -> Path:
@@ -169,8 +173,6 @@ class Plan:
             if k not in TOP_KEYS:
                 raise MergeError(f"unknown key {k!r}; allowed: {', '.join(sorted(TOP_KEYS))}")
         self.method_name = cfg.get("merge_method")
-        if self.method_name in NOT_SUPPORTED_METHODS:
-            raise MergeError(f"merge_method {self.method_name!r} is not supported by this command")
         if self.method_name not in METHODS:
             raise MergeError(f"merge_method {self.method_name!r} is not one of {', '.join(sorted(METHODS))}")
         self.method = METHODS[self.method_name]
@@ -182,6 +184,9 @@ class Plan:
         self.dtype, self.out_dtype = cfg.get("dtype"), cfg.get("out_dtype")
         self.params = _params(cfg.get("parameters"), "parameters")
         self.tokenizer_source, self.chat_template = cfg.get("tokenizer_source"), cfg.get("chat_template")
+        self.tokens, self.pad_to_multiple_of = {}, None
+        if cfg.get("tokenizer") is not None:
+            self._tokenizer_section(cfg)
         self._files: dict[str, ModelFiles] = {}
         self.config_dir = config_dir
         self.base_ref = cfg.get("base_model")
@@ -189,6 +194,7 @@ class Plan:
             self.open(self.base_ref)
         self.slices = self._slices(cfg)
         self._check_models(allow_crimes)
+        self.vocab = self._vocabulary() if self.tokenizer_source is not None else None
         self.check_chat_template()
         self.tensors = self._plan()
 
@@ -262,19 +268,50 @@ class Plan:
                         raise MergeError(f"{where}: different architectures ({key} {m.config.get(key)!r} vs "
                                          f"{first.config.get(key)!r}); --allow-crimes merges them anyway")
             tv, tv0 = _tokenizer_vocab(m.dir), _tokenizer_vocab(first.dir)  # None: no tokenizer.json to compare
-            if m.config.get("vocab_size") != first.config.get("vocab_size") or \
-                    (tv is not None and tv0 is not None and tv != tv0):
+            if self.tokenizer_source is None and (m.config.get("vocab_size") != first.config.get("vocab_size") or
+                                                  (tv is not None and tv0 is not None and tv != tv0)):
                 sizes = [(x.config.get("vocab_size"), _tokenizer_vocab(x.dir)) for x in (m, first)]
                 raise MergeError(f"{where}: vocabularies differ (vocab_size {sizes[0][0]} vs {sizes[1][0]}, "
-                                 f"tokenizer {sizes[0][1]} vs {sizes[1][1]} tokens); mergekit aligns them with "
-                                 f"`tokenizer_source: base` (or union / a model), which this command does not do "
-                                 f"yet: merge models that share one tokenizer")
+                                 f"tokenizer {sizes[0][1]} vs {sizes[1][1]} tokens): set "
+                                 f"`tokenizer_source: base` (or union, or a model) to merge them on one vocabulary")
             if bool(m.config.get("tie_word_embeddings")) != bool(first.config.get("tie_word_embeddings")):
                 raise MergeError(f"{where}: tie_word_embeddings differs")
         if self.tokenizer_source not in (None, "base", "union") and not isinstance(self.tokenizer_source, str):
             raise MergeError(f"tokenizer_source {self.tokenizer_source!r} must be base, union or a model")
         if self.tokenizer_source == "base" and self.base_ref is None:
             raise MergeError("tokenizer_source: base needs a base_model")
+
+    def _tokenizer_section(self, cfg: dict) -> None:
+        """mergekit's `tokenizer: {source (union), tokens, pad_to_multiple_of}`, instead of tokenizer_source."""
+        from train.merge.vocab import parse_tokens
+        sec = cfg["tokenizer"]
+        if self.tokenizer_source is not None:
+            raise MergeError("tokenizer_source and tokenizer: give one of them (tokenizer.source says the same)")
+        if not isinstance(sec, dict) or set(sec) - {"source", "tokens", "pad_to_multiple_of"}:
+            bad = sorted(set(sec) - {"source", "tokens", "pad_to_multiple_of"}) if isinstance(sec, dict) else sec
+            raise MergeError(f"tokenizer: takes source, tokens, pad_to_multiple_of; got {bad!r}")
+        self.tokenizer_source = sec.get("source", "union")
+        self.tokens = parse_tokens(sec.get("tokens"))
+        pad = sec.get("pad_to_multiple_of")
+        if pad is not None and (type(pad) is not int or pad < 1):
+            raise MergeError(f"tokenizer.pad_to_multiple_of {pad!r} must be a positive integer")
+        self.pad_to_multiple_of = pad
+
+    def _vocabulary(self):
+        from train.merge.vocab import Vocabulary
+        base = self.open(self.base_ref) if self.base_ref is not None else self.slices[0].sources[0].files
+        base_ref = self.base_ref if self.base_ref is not None else self.slices[0].sources[0].ref
+        src = self.tokenizer_source
+        src_dir = None if src in ("base", "union") else resolve_model(src, self.config_dir)
+        refs = {s.ref: s.files for sl in self.slices for s in sl.sources}
+        return Vocabulary(src, base_ref, base.dir, base.config, [(r, f.dir, f.config) for r, f in refs.items()],
+                          src_dir, self.tokens, self.pad_to_multiple_of)
+
+    def is_vocab_tensor(self, sources: list[Source], in_names: list[str]) -> bool:
+        """Outside the layers, its first dimension each model's vocab_size: embed_tokens, an untied lm_head."""
+        return self.vocab is not None and all(
+            len(s.files.info[n][2]) >= 1 and s.files.info[n][2][0] == s.files.config.get("vocab_size")
+            for s, n in zip(sources, in_names))
 
     # -- the tensor plan ---------------------------------------------------------------------------------------------
     def _param(self, name: str, default, scopes: list[dict], tensor: str, t: float, who: str):
@@ -288,15 +325,18 @@ class Plan:
         return default
 
     def _check_values(self, name: str, v, where: str) -> None:
-        if name in ("weight", "density", "t", "lambda", "gamma", "epsilon", "select_topk", "scale") and v is not None:
+        if name in ("weight", "density", "t", "lambda", "gamma", "epsilon", "select_topk", "scale", "r",
+                    "alpha") and v is not None:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise MergeError(f"parameter {name} = {v!r} for {where}: must be a finite number")
         if name in ("density", "select_topk", "gamma") and not 0 <= v <= 1:
             raise MergeError(f"parameter {name} = {v!r} for {where}: must lie in [0, 1]")
-        if name == "epsilon" and not 0 <= v < 1:
-            raise MergeError(f"parameter epsilon = {v!r} for {where}: must lie in [0, 1)")
+        if name == "epsilon" and not 0 <= v < (1 if self.method_name.startswith("della") else math.inf):
+            raise MergeError(f"parameter epsilon = {v!r} for {where}: must lie in "
+                             f"{'[0, 1)' if self.method_name.startswith('della') else '[0, inf)'}")
 
-    def _tensor(self, out_name: str, sl: Slice, in_names: list[str], t: float) -> OutTensor | None:
+    def _tensor(self, out_name: str, sl: Slice, in_names: list[str], t: float, outside: bool = False
+                ) -> OutTensor | None:
         meth = self.method
         sources = sl.sources
         present = [n in s.files.info for s, n in zip(sources, in_names)]
@@ -305,7 +345,8 @@ class Plan:
         for (s, n), ok in zip(zip(sources, in_names), present):
             if not ok:
                 raise MergeError(f"{s.files.label}: tensor {n!r} is missing")
-        shapes = {tuple(s.files.info[n][2]) for s, n in zip(sources, in_names)}
+        vocab = outside and self.is_vocab_tensor(sources, in_names)
+        shapes = {tuple(s.files.info[n][2])[1 if vocab else 0:] for s, n in zip(sources, in_names)}
         if len(shapes) > 1:
             raise MergeError(f"tensor {out_name}: input shapes differ {sorted(shapes)} "
                              f"({', '.join(s.ref for s in sources)}): different architectures or sizes")
@@ -342,7 +383,9 @@ class Plan:
             for p, v in vals.items():
                 self._check_values(p, v, f"{s.ref} {n}")
             per.append(vals)
-        return OutTensor(out_name, list(zip(sources, in_names)), base_index, shared, per)
+        refs = [s.ref for s in sources]
+        return OutTensor(out_name, list(zip(sources, in_names)), base_index, shared, per, vocab,
+                         refs.index(sl.base) if vocab and sl.base in refs else None)
 
     def _plan(self) -> list[OutTensor]:
         first = self.slices[0].sources[0].files
@@ -356,7 +399,7 @@ class Plan:
         post = [n for n in outside if n not in pre]
         out: list[OutTensor | None] = []
         for n in pre:
-            out.append(self._tensor(n, self.slices[0], [n] * len(self.slices[0].sources), 0.0))
+            out.append(self._tensor(n, self.slices[0], [n] * len(self.slices[0].sources), 0.0, outside=True))
         layer = 0
         for sl in self.slices:
             length = sl.sources[0].layer_range[1] - sl.sources[0].layer_range[0]
@@ -367,7 +410,7 @@ class Plan:
                                             [tpl.format(s.layer_range[0] + off) for s in sl.sources], t))
                 layer += 1
         for n in post:
-            out.append(self._tensor(n, self.slices[-1], [n] * len(self.slices[-1].sources), 0.0))
+            out.append(self._tensor(n, self.slices[-1], [n] * len(self.slices[-1].sources), 0.0, outside=True))
         self.num_layers = layer
         return [x for x in out if x is not None]
 
@@ -375,22 +418,26 @@ class Plan:
         donor = self.open(self.base_ref) if self.base_ref is not None else self.slices[0].sources[0].files
         cfg = json.loads(json.dumps(donor.config))
         cfg["num_hidden_layers"] = self.num_layers
+        if self.vocab is not None:
+            cfg["vocab_size"] = self.vocab.size
         if self.out_dtype or self.dtype:
             cfg["torch_dtype" if "torch_dtype" in cfg or "dtype" not in cfg else "dtype"] = self.out_dtype or self.dtype
         return cfg
 
     def tokenizer_donor(self) -> ModelFiles:
-        """Whose tokenizer files the output gets: tokenizer_source (base / a model; union = every tokenizer is the
-        same here, so the first), else the base model, else the first model (mergekit's donor)."""
-        src = self.tokenizer_source
-        if src == "base" or (src is None and self.base_ref is not None):
+        """Whose tokenizer (and generation_config.json) files the output gets without tokenizer_source: the base
+        model's, else the first model's (mergekit's donor)."""
+        if self.base_ref is not None:
             return self.open(self.base_ref)
-        if src not in (None, "union"):
-            return self.open(src)
         return self.slices[0].sources[0].files
 
     def check_chat_template(self) -> None:
+        """`auto`, one of mergekit's names (train.merge.chat_templates) or a Jinja string of ≥ 20 characters with
+        a `{`, as mergekit accepts."""
+        from train.merge.chat_templates import CHAT_TEMPLATES, named_template
         tpl = self.chat_template
-        if tpl is not None and tpl != "auto" and (not isinstance(tpl, str) or "{" not in tpl):
-            raise MergeError(f"chat_template {tpl!r}: give `auto` or a Jinja template; mergekit's named built-in "
-                             f"templates are not shipped here")
+        if tpl is None or tpl == "auto" or (isinstance(tpl, str) and named_template(tpl) is not None):
+            return
+        if not isinstance(tpl, str) or len(tpl) < 20 or "{" not in tpl:
+            raise MergeError(f"chat_template {tpl!r}: give auto, one of {', '.join(sorted(CHAT_TEMPLATES))}, or a "
+                             f"Jinja template (20 characters or more)")
