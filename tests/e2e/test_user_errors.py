@@ -195,6 +195,7 @@ ENTRY_POINTS = {
                                      "{tmp}/models"], "error: model config {tmp}/nope.json: no such file"),
     "train/merge/__main__.py": (["-m", "train.merge", "{tmp}/nope.yml", "{tmp}/out"],
                                 "error: {tmp}/nope.yml: no such file"),
+    "train/status/__main__.py": (["-m", "train.status", "{tmp}"], "error: {tmp}: not a run folder (no run.json)"),
     "scripts/update_config_doc.py": None,
     "scripts/mergekit_reference.py": None,  # regenerates tests/data/mergekit: a developer's tool, no input
 }

@@ -32,6 +32,7 @@ from train.exchange.membership import Membership, workers_alive
 from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
 from train.exchange.reduce import arrived, prune_rounds
 from train.diloco.overlap import for_config
+from train.status.recorder import TimelineRecorder
 from train.core.store import (
     NO_LOCK,
     PROTOCOL_VERSION,
@@ -71,6 +72,8 @@ class Coordinator:
         # outer.overlap (docs/overlap.md); the coordinator asks it how far past the latest commit workers may train
         self.overlap = for_config(cfg.outer)
         self.lease = NO_LEASE  # its lease (train/core/coordinator_lease.py), started by setup() once it holds the lock
+        # timeline.jsonl each round, timeline.png redrawn in the background (train/status/recorder.py)
+        self.timeline = TimelineRecorder(self.paths.root, cfg.logging.plot, title=f"{cfg.project_name}: DiLoCo")
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -367,6 +370,7 @@ class Coordinator:
                                  if k in fields}})
         record["commit_s"] = round(time.perf_counter() - t3, 3)
         self.log_record(record)
+        self.timeline.round_closed(r)  # before the pruning: the sidecars hold the workers' timings
         self.cleanup(r + 1)
         return record
 
@@ -479,6 +483,7 @@ class Coordinator:
         if cfg.logging.plot:
             from train.core.plot import plot_losses
             plot_losses(read_jsonl(paths.metrics), paths.plot, title=f"{cfg.project_name}: DiLoCo")
+        self.timeline.close()  # the final timeline.png
         log.info("final model in %s", paths.final)
 
 

@@ -35,6 +35,7 @@ from train.edt.modes import mode_of
 from train.edt.protocol import (create_claim, lease_age, mark_pruned, publish_member, read_claim, requeue,
                                 server_now, stale_count, write_committed, write_done, write_evaluated, write_genome)
 from train.edt.store import EDTPaths, member_id
+from train.status.recorder import TimelineRecorder
 from train.core.evolution import fitness_function, generation_rng, rank_order, rank_pick, tournament
 from train.core.coordinator_lease import NO_LEASE, CoordinatorLease, coordinator_lease_path
 from train.exchange.membership import Membership, local_pid_alive
@@ -71,6 +72,8 @@ class EDTCoordinator:
         self.fitness = fitness_function(cfg.edt.fitness)
         self._ready = False
         self.lease = NO_LEASE  # its lease (train/core/coordinator_lease.py), started by setup() once it holds the lock
+        # timeline.jsonl each generation, timeline.png redrawn in the background (train/status/recorder.py)
+        self.timeline = TimelineRecorder(self.paths.root, cfg.logging.plot, title=f"{cfg.project_name}: EDT")
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -425,6 +428,7 @@ class EDTCoordinator:
                             avg=f"{rec['avg_eval_loss']:.3f}" if rec["avg_eval_loss"] else "-")
             log.info("generation %d evaluated: best %s eval loss %s, mean %s", g, rec["best"],
                      _fmt(rec["best_eval_loss"]), _fmt(rec["avg_eval_loss"]))
+            self.timeline.generation_closed(g)  # before the pruning: results hold the jobs' timings
             self.cleanup(g)
             self.plots()
             if g + 1 >= self.G:
@@ -433,6 +437,7 @@ class EDTCoordinator:
             g += 1
         bar.close()
         self.lease.set("finalizing", generation=g)
+        self.timeline.close()  # the final timeline.png
         self.finalize(g, members)
         self.logger.close()
         self.lease.set("done", generation=g)

@@ -291,6 +291,7 @@ class Launcher:
         conns, errors = self.connect_all(self.machines)
         try:
             res = dict(zip(conns, parallel(list(conns), lambda lb: self.call(conns[lb], lines[lb]))))
+            view = self.run_view(conns)
         finally:
             for c in conns.values():
                 c.close()
@@ -298,10 +299,30 @@ class Launcher:
                       {"error": str(res[lb][1])} if res[lb][1] else res[lb][0]) for lb in roles}
         run = next((h["run"] for h in hosts.values() if "run" in h), None)
         if as_json:
-            self.say(json.dumps({"hosts": hosts, "run": run}, indent=1, sort_keys=True))
+            self.say(json.dumps({"hosts": hosts, "run": run, "view": view}, indent=1, sort_keys=True))
         else:
             self._print_status(hosts, run)
+            from train.status.view import render
+            self.say(render(view) if "workers" in view else f"run status: {view.get('error')}")
         return 0 if not any("error" in h for h in hosts.values()) else 1
+
+    def run_view(self, conns: dict[str, Connection]) -> dict:
+        """The run's status view (`python -m train.status RUN_DIR --json`, docs/status.md), read on the first reachable
+        machine (every machine mounts BASE_DIR): {"error": why} when none could."""
+        for m in self.machines:
+            if m.label not in conns:
+                continue
+            line = shell_line(m, self.workdir(m), [m.python, "-m", "train.status", str(self.cfg.run_dir), "--json"],
+                              m.env)
+            try:
+                r = conns[m.label].run(line, self.timeout)
+            except (SSHError, CommandTimeout) as e:
+                return {"error": f"{m.label}: {e}"}
+            if r.rc == 0 and r.out.strip():
+                return json.loads(r.out.strip().splitlines()[-1])
+            return {"error": f"{m.label}: " + ((r.err.strip() or r.out.strip() or f"exit status {r.rc}")
+                                               .splitlines()[-1])}
+        return {"error": "no machine reachable"}
 
     def _print_status(self, hosts: dict, run: dict | None) -> None:
         rows = []
