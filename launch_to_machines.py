@@ -6,6 +6,7 @@
     python launch_to_machines.py status             # per host: running/stopped, pid, round, last log line
     python launch_to_machines.py logs -f [--host gpu2]
     python launch_to_machines.py stop               # stops exactly the recorded process groups
+    python launch_to_machines.py launch --backend slurm --nodes 2 --time 4:00:00   # one sbatch job (docs/slurm.md)
 Every subcommand takes --dry-run (print the exact remote commands, connect to nothing). Host keys are verified
 against ~/.ssh/known_hosts; authentication is by key or ssh-agent, never by password. See docs/multi-machine.md.
 """
@@ -20,6 +21,7 @@ COMMANDS = ("launch", "status", "logs", "stop", "preflight")
 def build_parser() -> argparse.ArgumentParser:
     from train.launch.cli import add_config_args
     from train.core.strategies import STRATEGIES
+    from train.launch.slurm import add_slurm_args
 
     common = argparse.ArgumentParser(add_help=False)
     add_config_args(common)
@@ -36,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true", help="print the exact remote commands; connect to nothing")
     g.add_argument("--strategy", choices=sorted(STRATEGIES), default="diloco",
                    help="diloco or edt: which run (and its default project) the subcommand is about")
+    g.add_argument("--backend", choices=("ssh", "slurm"), default="ssh",
+                   help="ssh: the hosts of machines.json; slurm: one batch job (sbatch), see docs/slurm.md")
+    add_slurm_args(common)
 
     ap = argparse.ArgumentParser(prog="launch_to_machines.py", description=__doc__.split("\n")[0],
                                  epilog="Without a subcommand: launch (the prototype's behaviour).")
@@ -48,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", parents=[common], help="per host: processes, pids, round, last log line")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("logs", parents=[common], help="tail the logs, lines prefixed by host and process")
-    p.add_argument("--host", help="only this machine (label or host)")
+    p.add_argument("--host", help="only this machine (label or host); with --backend slurm: this process "
+                                   "(worker-001, coordinator, or slurm: the job script's output)")
     p.add_argument("-n", "--lines", type=int, default=20)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines (Ctrl-C ends)")
     p.add_argument("--for", dest="for_s", type=float, default=0.0, help="with -f: stop following after N seconds")
@@ -79,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd = "launch"  # the prototype's `python launch_to_machines.py`
     argv = ([cmd] if cmd else []) + argv
     a = build_parser().parse_args(argv)
+    if a.backend == "slurm":  # one batch job instead of machines.json (train/launch/slurm.py)
+        from train.launch.slurm_ops import run_command
+        return run_command(a)
     machines = load_machines(a.machines)
     opts = SSHOptions(known_hosts=a.known_hosts, accept_new_host_keys=a.accept_new_host_keys,
                       connect_timeout=a.connect_timeout)

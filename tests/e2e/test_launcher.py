@@ -255,8 +255,12 @@ def test_launch_status_logs_stop_resume_over_ssh(sshd, tmp_path):
         assert set(procs) == {("m1", "coordinator"), ("m1", "worker-000"), ("m2", "worker-001")}
         assert all(p["state"] == "running" and p["pid"] == recs[p["role"]]["pid"] for p in procs.values())
         assert procs[("m2", "worker-001")]["progress"]["round"] >= 0
+        # the run's own status view (python -m train.status, read on the first machine) beside the process table
+        assert st["view"]["strategy"] == "diloco" and st["view"]["committed"] >= 1, st["view"]
+        assert [w["worker"] for w in st["view"]["workers"]] == ["w000", "w001"], st["view"]["workers"]
         text = c.cli("status").stdout
         assert "m2    worker-001   running" in text and "latest committed round" in text, text
+        assert "workers:" in text and "coordinator: " in text, text
 
         logs = c.cli("logs", "-n", "3").stdout
         for prefix in ("[m1 coordinator] ", "[m1 worker-000] ", "[m2 worker-001] "):
