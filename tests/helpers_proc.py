@@ -102,3 +102,13 @@ def wait_until_workers_gone(paths, workers: int, timeout: float = 60.0) -> None:
             fcntl.flock(fh, fcntl.LOCK_UN)
             return True
     wait_until(lambda: all(free(w) for w in range(workers)), timeout, "the killed run's workers exit")
+
+
+def progress_of(paths, w: int) -> dict:
+    """Worker w's progress.json, {} while it is not there or half-written."""
+    from train.core.store import read_json
+    try:
+        return read_json(paths.progress(w))
+    except (OSError, ValueError):
+        return {}
+

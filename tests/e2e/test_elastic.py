@@ -12,24 +12,11 @@ import time
 
 import pytest
 
-from conftest import REPO, tiny_config
-from helpers_proc import kill_all, script_cmd, start_script, wait_until
+from conftest import REPO
+from helpers_proc import kill_all, script_cmd, start_script, wait_until, progress_of
 from train.core.config import build_config
 from train.core.store import RunPaths, read_json, read_jsonl, verify_manifest
 from train.launch.procs import Restarts
-
-
-def _progress(paths: RunPaths, w: int) -> dict:
-    try:
-        return read_json(paths.progress(w))
-    except (OSError, ValueError):
-        return {}
-
-
-def _config(tmp_path, **sections) -> str:
-    path = tmp_path / "evolution.json"
-    path.write_text(json.dumps(tiny_config(tmp_path / "runs", **sections), indent=1))
-    return str(path)
 
 
 # -- the supervisor (no torch: fast) ---------------------------------------------------------------------------------
@@ -127,20 +114,20 @@ def _running(pid: int | None) -> bool:
 
 # -- DiLoCo: a SIGKILLed worker is restarted by the simulator -------------------------------------------------------
 @pytest.mark.slow
-def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes(tmp_path):
+def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes(tmp_path, write_config):
     """3 workers; SIGKILL worker 1 while it trains round 1: its supervisor restarts it, it resumes from its own state
     and the same run finishes (no rerun); the final model loads; every delta counted once."""
     from transformers import AutoModelForCausalLM
 
     H, R = 100, 3
-    cfg = _config(tmp_path, outer={"num_workers": 3, "rounds": R, "local_steps": H})
+    cfg = write_config(outer={"num_workers": 3, "rounds": R, "local_steps": H})
     paths = RunPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
-        wait_until(lambda: _progress(paths, 1).get("round", -1) >= 1 and _progress(paths, 1).get("status") ==
-                   "training" and _progress(paths, 1).get("step", 0) >= 3, 300, "worker 1 training in round 1", sim)
-        victim = _progress(paths, 1)["pid"]
+        wait_until(lambda: progress_of(paths, 1).get("round", -1) >= 1 and progress_of(paths, 1).get("status") ==
+                   "training" and progress_of(paths, 1).get("step", 0) >= 3, 300, "worker 1 training in round 1", sim)
+        victim = progress_of(paths, 1)["pid"]
         os.kill(victim, signal.SIGKILL)
         out, _ = sim.communicate(timeout=400)
     finally:
@@ -150,7 +137,7 @@ def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes
     log1 = paths.worker_log(1).read_text()
     assert "worker 1 exited with signal 9; restart 1/3 in 1.0 s" in log1
     assert "resumed worker state: last round done 0" in log1
-    assert _progress(paths, 1)["pid"] != victim and _progress(paths, 1)["status"] == "exited"
+    assert progress_of(paths, 1)["pid"] != victim and progress_of(paths, 1)["status"] == "exited"
     assert paths.latest_committed() == R
     for r in paths.committed_rounds():
         verify_manifest(paths.global_dir(r))
@@ -163,28 +150,28 @@ def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes
 
 # -- SIGTERM = leave -------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path):
+def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path, write_config):
     from train.exchange.membership import Membership
 
-    cfg = _config(tmp_path, outer={"rounds": 40, "local_steps": 200})
+    cfg = write_config(outer={"rounds": 40, "local_steps": 200})
     paths = RunPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
-        wait_until(lambda: _progress(paths, 1).get("status") == "training" and _progress(paths, 1).get("step", 0)
+        wait_until(lambda: progress_of(paths, 1).get("status") == "training" and progress_of(paths, 1).get("step", 0)
                    >= 3, 300, "worker 1 training", sim)
         m = Membership(paths, 2, build_config(json.loads(open(cfg).read())).outer)
-        rec = _progress(paths, 1)
+        rec = progress_of(paths, 1)
         os.kill(rec["pid"], signal.SIGTERM)
         t0 = time.monotonic()
-        wait_until(lambda: _progress(paths, 1).get("status") == "left", 30, "worker 1's final heartbeat", sim)
+        wait_until(lambda: progress_of(paths, 1).get("status") == "left", 30, "worker 1's final heartbeat", sim)
         took = time.monotonic() - t0
         d = m.poll({0})
         assert d.gone == {1: "exited (status left)"} and d.close
         state = read_json(paths.worker_state(1)) if paths.worker_state(1).is_file() else {"round_done": -1}
-        final = _progress(paths, 1)
+        final = progress_of(paths, 1)
         time.sleep(2.5)  # a restart would come after 1 s
-        assert _progress(paths, 1) == final  # nothing restarted: the final record stays
+        assert progress_of(paths, 1) == final  # nothing restarted: the final record stays
     finally:
         sim.send_signal(signal.SIGINT)
         try:
@@ -201,7 +188,7 @@ def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path):
 
 # -- EDT: a slot whose job keeps failing is refilled by selection ----------------------------------------------------
 @pytest.mark.slow
-def test_edt_slot_refilled_by_selection_when_its_job_is_abandoned(tmp_path):
+def test_edt_slot_refilled_by_selection_when_its_job_is_abandoned(tmp_path, write_config):
     """Population 2 on 2 workers, edt.max_attempts = 1: SIGKILL the worker that holds m001 in generation 0. The
     coordinator sees its process gone, the job is abandoned once, and slot m001 becomes a copy of m000 (the only
     finished member) instead of stopping the run; generation 1 breeds from it as from any member."""
@@ -210,7 +197,7 @@ def test_edt_slot_refilled_by_selection_when_its_job_is_abandoned(tmp_path):
     from train.edt.store import EDTPaths
 
     S = 150
-    cfg = _config(tmp_path, outer={"num_workers": 2},
+    cfg = write_config(outer={"num_workers": 2},
                   edt={"max_generations": 2, "mutation_steps": S, "job_lease_s": 60, "max_attempts": 1})
     paths = EDTPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("edt_sim.py", "--config", cfg), stdout=subprocess.PIPE,
@@ -255,13 +242,13 @@ def _coordinator_uses_membership() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _coordinator_uses_membership(),
                     reason="needs the DiLoCo coordinator to consult train/exchange/membership.py (exchange rewrite)")
-def test_round_closes_without_a_frozen_worker_within_dead_after_s(tmp_path):
+def test_round_closes_without_a_frozen_worker_within_dead_after_s(tmp_path, write_config):
     """INTEGRATION (runs once train/diloco/coordinator.py uses Membership): coordinator + 3 worker processes; SIGSTOP
     worker 2 mid-round (a frozen machine: its pid lives, its lease stops). The round closes with workers 0 and 1
     within dead_after_s + 1.5 x a normal round (+ slack for 2 shared cores), the record names worker 2 as missing,
     and the run finishes without it."""
     dead_after, H, R = 4.0, 60, 4
-    cfg = _config(tmp_path, outer={"num_workers": 3, "rounds": R, "local_steps": H, "dead_after_s": dead_after,
+    cfg = write_config(outer={"num_workers": 3, "rounds": R, "local_steps": H, "dead_after_s": dead_after,
                                    "straggler_factor": 0, "round_timeout_s": 600})
     paths = RunPaths(tmp_path / "runs" / "t")
     logs = tmp_path / "logs"
@@ -276,7 +263,7 @@ def test_round_closes_without_a_frozen_worker_within_dead_after_s(tmp_path):
                    "two rounds committed and logged", coord)
         times = {r["round"]: r["time"] for r in read_jsonl(paths.metrics) if "round" in r}
         normal = [times[r] - times[r - 1] for r in times if r >= 2 and r - 1 in times]
-        wait_until(lambda: _progress(paths, 2).get("round", -1) >= 2 and _progress(paths, 2).get("status") ==
+        wait_until(lambda: progress_of(paths, 2).get("round", -1) >= 2 and progress_of(paths, 2).get("status") ==
                    "training", 120, "worker 2 training in round 2", coord)
         stopped_at = paths.latest_committed()
         workers[2].send_signal(signal.SIGSTOP)
@@ -306,11 +293,11 @@ def _stream_windows(paths: RunPaths) -> list[int]:
 
 
 @pytest.mark.slow
-def test_resume_with_more_then_fewer_workers_reads_no_window_twice(tmp_path):
+def test_resume_with_more_then_fewer_workers_reads_no_window_twice(tmp_path, write_config):
     """2 workers for 2 rounds, then the same run resumed with 3 workers, then with 1: the data layout re-splits the
     stream at the first round nobody started, every used delta's slice is disjoint from every other and the tokens
     add up."""
-    cfg = _config(tmp_path, outer={"rounds": 2})
+    cfg = write_config(outer={"rounds": 2})
     paths = RunPaths(tmp_path / "runs" / "t")
     for n, rounds in ((2, 2), (3, 4), (1, 6)):
         out = subprocess.run(script_cmd("diloco_sim.py", "--config", cfg, "--workers", str(n), "--rounds",
@@ -333,10 +320,10 @@ def test_resume_with_more_then_fewer_workers_reads_no_window_twice(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path):
+def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path, write_config):
     """A 2-worker run; a third worker process started by hand after round 1 asks to join (lease status "joining"),
     the coordinator gives it a slot at the next round boundary, and from then on every round uses its delta."""
-    cfg = _config(tmp_path, outer={"rounds": 14, "local_steps": 40})
+    cfg = write_config(outer={"rounds": 14, "local_steps": 40})
     paths = RunPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
@@ -345,7 +332,7 @@ def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path):
         wait_until(lambda: paths.committed(1).is_file(), 300, "round 1 committed", sim)
         joiner = start_script(["-m", "train.diloco.worker", "--config", cfg, "--worker", "2"],
                               tmp_path / "joiner.log")
-        wait_until(lambda: _progress(paths, 2).get("status") == "joining", 120, "the joiner asking", joiner)
+        wait_until(lambda: progress_of(paths, 2).get("status") == "joining", 120, "the joiner asking", joiner)
         asked_at = paths.latest_committed()
         out, _ = sim.communicate(timeout=600)
         assert joiner.wait(timeout=120) == 0, (tmp_path / "joiner.log").read_text()[-3000:]
@@ -367,22 +354,22 @@ def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_late_delta_is_folded_into_the_next_round_with_its_staleness_weight(tmp_path):
+def test_a_late_delta_is_folded_into_the_next_round_with_its_staleness_weight(tmp_path, write_config):
     """outer.late_weight = 0.5 with int8: worker 1 is frozen (SIGSTOP) in round 1 until the round closes without it
     (dead_after_s), then thawed: it publishes its round-1 delta late and round 2 folds it in at half weight; the
     record says so, its tokens count and its slice is still read once."""
     H = 400  # a few seconds of steps: worker 1 is frozen while it trains round 1, before it can publish it
-    cfg = _config(tmp_path, outer={"rounds": 3, "local_steps": H, "late_weight": 0.5, "dead_after_s": 3,
+    cfg = write_config(outer={"rounds": 3, "local_steps": H, "late_weight": 0.5, "dead_after_s": 3,
                                    "compression": "int8", "straggler_factor": 0})
     paths = RunPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         def training_round_1() -> bool:
-            p = _progress(paths, 1)
+            p = progress_of(paths, 1)
             return p.get("round") == 1 and p.get("status") == "training"
         wait_until(training_round_1, 300, "worker 1 training round 1", sim)
-        pid = _progress(paths, 1)["pid"]
+        pid = progress_of(paths, 1)["pid"]
         os.kill(pid, signal.SIGSTOP)
         try:
             wait_until(lambda: paths.committed(2).is_file(), 120, "round 1 closed without worker 1", sim)

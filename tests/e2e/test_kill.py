@@ -9,20 +9,14 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from helpers_proc import kill_sim_at_random_moments, run_script, script_cmd, wait_until, wait_until_workers_gone
+from helpers_proc import (kill_sim_at_random_moments, progress_of, run_script, script_cmd, wait_until,
+                          wait_until_workers_gone)
 from train.core.config import build_config
 from train.diloco.coordinator import Coordinator
 from train.core.store import RunPaths, read_json, read_jsonl, verify_manifest
 from train.core.tensorio import load_tensors, save_streaming
 
 pytestmark = pytest.mark.slow
-
-
-def _progress(paths: RunPaths, w: int) -> dict:
-    try:
-        return read_json(paths.progress(w))
-    except (OSError, ValueError):
-        return {}
 
 
 def _check_finished(paths: RunPaths, rounds: int, workers: int, H: int, batch: int, seq: int) -> None:
@@ -42,9 +36,9 @@ def test_sigkill_worker_mid_round_then_rerun_finishes(write_config, tmp_path):
     cmd = script_cmd("diloco_sim.py", "--config", str(cfg), "--max-restarts", "0")  # no restart: a rerun resumes
     sim = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
-        wait_until(lambda: _progress(paths, 1).get("round", -1) >= 1 and _progress(paths, 1).get("status") ==
-                   "training" and _progress(paths, 1).get("step", 0) >= 3, 240, "worker 1 training in round 1", sim)
-        os.kill(_progress(paths, 1)["pid"], signal.SIGKILL)
+        wait_until(lambda: progress_of(paths, 1).get("round", -1) >= 1 and progress_of(paths, 1).get("status") ==
+                   "training" and progress_of(paths, 1).get("step", 0) >= 3, 240, "worker 1 training in round 1", sim)
+        os.kill(progress_of(paths, 1)["pid"], signal.SIGKILL)
         out, _ = sim.communicate(timeout=120)
     finally:
         if sim.poll() is None:

@@ -12,23 +12,10 @@ import time
 
 import pytest
 
-from conftest import REPO, tiny_config
-from helpers_proc import script_cmd, wait_until
-from train.core.store import RunPaths, read_json
+from conftest import REPO
+from helpers_proc import script_cmd, wait_until, progress_of
+from train.core.store import RunPaths
 from train.status.timeline import build_timeline
-
-
-def _progress(paths: RunPaths, w: int) -> dict:
-    try:
-        return read_json(paths.progress(w))
-    except (OSError, ValueError):
-        return {}
-
-
-def _config(tmp_path, **sections) -> str:
-    path = tmp_path / "evolution.json"
-    path.write_text(json.dumps(tiny_config(tmp_path / "runs", **sections), indent=1))
-    return str(path)
 
 
 def _throttle(pid: int, until, timeout: float) -> None:
@@ -45,9 +32,9 @@ def _throttle(pid: int, until, timeout: float) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_worker_and_a_straggler_in_the_timeline_and_the_status_view(tmp_path):
+def test_a_killed_worker_and_a_straggler_in_the_timeline_and_the_status_view(tmp_path, write_config):
     R = 7
-    cfg = _config(tmp_path, outer={"num_workers": 3, "rounds": R, "local_steps": 15, "dead_after_s": 2,
+    cfg = write_config(outer={"num_workers": 3, "rounds": R, "local_steps": 15, "dead_after_s": 2,
                                    "startup_grace_s": 6, "straggler_factor": 2},
                   logging={"progress": False, "plot": True}, eval={"every": 100, "batch_size": 8, "batches": 1})
     paths = RunPaths(tmp_path / "runs" / "t")
@@ -55,15 +42,15 @@ def test_a_killed_worker_and_a_straggler_in_the_timeline_and_the_status_view(tmp
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         # the straggler: worker 2 slowed down in round 3 (the deadline needs a history of rounds after the start-up)
-        wait_until(lambda: _progress(paths, 2).get("round", -1) >= 3 and _progress(paths, 2).get("status") ==
+        wait_until(lambda: progress_of(paths, 2).get("round", -1) >= 3 and progress_of(paths, 2).get("status") ==
                    "training", 120, "worker 2 training round 3", sim)
-        slow_round = _progress(paths, 2)["round"]
-        _throttle(_progress(paths, 2)["pid"], lambda: paths.committed(slow_round + 1).is_file(), 60)
+        slow_round = progress_of(paths, 2)["round"]
+        _throttle(progress_of(paths, 2)["pid"], lambda: paths.committed(slow_round + 1).is_file(), 60)
         # then worker 1 SIGKILLed while it trains a later round (its supervisor restarts it)
-        wait_until(lambda: _progress(paths, 1).get("round", -1) > slow_round and _progress(paths, 1).get(
+        wait_until(lambda: progress_of(paths, 1).get("round", -1) > slow_round and progress_of(paths, 1).get(
             "status") == "training", 60, "worker 1 training after the straggler's round", sim)
-        killed_round = _progress(paths, 1)["round"]
-        os.kill(_progress(paths, 1)["pid"], signal.SIGKILL)
+        killed_round = progress_of(paths, 1)["round"]
+        os.kill(progress_of(paths, 1)["pid"], signal.SIGKILL)
         out, _ = sim.communicate(timeout=120)
     finally:
         if sim.poll() is None:
@@ -100,8 +87,8 @@ def test_a_killed_worker_and_a_straggler_in_the_timeline_and_the_status_view(tmp
 
 
 @pytest.mark.slow
-def test_an_edt_runs_generations_and_jobs_on_the_worker_lanes(tmp_path):
-    cfg = _config(tmp_path, outer={"num_workers": 2, "local_steps": 4},
+def test_an_edt_runs_generations_and_jobs_on_the_worker_lanes(tmp_path, write_config):
+    cfg = write_config(outer={"num_workers": 2, "local_steps": 4},
                   edt={"population_size": 3, "max_generations": 2, "mutation_steps": 3},
                   logging={"progress": False, "plot": False})
     out = subprocess.run(script_cmd("edt_sim.py", "--config", cfg), capture_output=True, text=True, cwd=REPO,
