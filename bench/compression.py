@@ -84,6 +84,77 @@ def round_bytes(shapes: dict[str, tuple], workers: int, codec: str, block: int =
     return out
 
 
+def sparse_round_bytes(shapes: dict[str, tuple], workers: int, codec, state: str = "local",
+                       checkpoint_every: int = 20, way: str = "all-read", union: float = 1.0) -> dict:
+    """Bytes of one topk round (train/exchange/sparse.py), steady state, checkpoints amortised. way:
+    all-read (what is built: every worker reads the N sparse deltas of the round and sums them itself; the
+    coordinator reads them to check them and writes only its checkpoints) or the alternative, a coordinator update:
+    update-fp32 (the N selections' union, `union` x one worker's count, with fp32 values and 12-bit offsets plus a
+    uint16 count per chunk: lossless, the paper's aggregate) or update-2bit (that union at 2 bits, one scale per
+    chunk, plus a coordinator residual: a second lossy stage), which every worker reads."""
+    f32 = {n: (torch.float32, s) for n, s in shapes.items()}
+    weights = file_bytes(f32, {"format": "pt"})
+    specs = {}
+    for n, s in shapes.items():
+        specs.update(codec.specs(n, s))
+    delta = file_bytes(specs, {"round": "1", "worker": "0", **codec.metadata()})
+    adam = {}
+    for n, s in shapes.items():
+        adam.update({f"{n}::exp_avg": (torch.float32, s), f"{n}::exp_avg_sq": (torch.float32, s),
+                     f"{n}::step": (torch.float32, (1,)), f"residual::{n}": (torch.float32, s)})
+    opt = file_bytes(adam) if state == "base" else 0
+    if way == "all-read":
+        w_read, c_read, c_write = workers * delta, workers * delta, weights / checkpoint_every
+    else:
+        u_specs = {}
+        for n, s in shapes.items():
+            K, chunks = codec.count(torch.Size(s).numel())
+            k = int(round(K * union))
+            vbits = 32 if way == "update-fp32" else codec.vbits
+            u_specs.update({n + "::count": (torch.int16, (chunks,)),
+                            n + "::idx": (torch.uint8, (-(-k * codec.ibits // 8),)),
+                            n + "::val": (torch.uint8, (-(-k * vbits // 8),))})
+            if way == "update-2bit":
+                u_specs[n + "::scale"] = (torch.float32, (chunks,))
+        update = file_bytes(u_specs, {"round": "1", **codec.metadata()})
+        ckpt = weights + (file_bytes({f"residual::{n}": (torch.float32, s) for n, s in shapes.items()})
+                          if way == "update-2bit" else 0)
+        w_read, c_read, c_write = update, workers * delta, update + ckpt / checkpoint_every
+    out = {"workers": workers * (w_read + delta + opt), "coordinator": c_read + c_write, "delta": delta}
+    out["total"] = out["workers"] + out["coordinator"]
+    return out
+
+
+def sparse_ways_table(shapes: dict[str, tuple], codec, base: float, unions: dict[int, float]) -> tuple[list, dict]:
+    """Item 2 of #27: how θ reaches every copy, bytes both ways for N = 2..16 (host-local state). For each N: the
+    built way (every worker reads the N deltas), a coordinator update at the measured union (when measured), and the
+    union below which that update would be the cheaper (the break-even)."""
+    rows, out = [], {}
+    for N in (2, 4, 8, 16):
+        b = sparse_round_bytes(shapes, N, codec, way="all-read")["total"]
+        ref = round_bytes(shapes, N, "none", old_protocol=True)["total"]
+        row = {"all-read": b, "fp32 protocol 1": ref}
+        even = {}
+        for way in ("update-fp32", "update-2bit"):
+            lo, hi = 0.0, float(N)
+            for _ in range(40):  # bisect the union at which the update costs what all-read costs
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if sparse_round_bytes(shapes, N, codec, way=way, union=mid)["total"] < b else \
+                    (lo, mid)
+            even[way] = lo
+            if N in unions:
+                row[way] = sparse_round_bytes(shapes, N, codec, way=way, union=unions[N])["total"]
+        row["break_even_union"] = even
+        out[N] = row
+        u = unions.get(N)
+        rows.append([N, f"{b / 1e9:.3f} GB ({b / ref * 100:.2f}%)",
+                     f"{u:.2f}" if u else "-",
+                     f"{row['update-fp32'] / 1e9:.3f} GB" if u else "-",
+                     f"{row['update-2bit'] / 1e9:.3f} GB" if u else "-",
+                     f"{even['update-fp32']:.2f} / {even['update-2bit']:.2f}"])
+    return rows, out
+
+
 def bytes_table(args) -> tuple[list, dict]:
     shapes = model_shapes(smollm_config(False).__class__(**{**smollm_config(False).to_dict(), "vocab_size": 2048}))
     nparams = sum(torch.Size(s).numel() for s in shapes.values())
@@ -98,9 +169,33 @@ def bytes_table(args) -> tuple[list, dict]:
         out[name] = b
         rows.append([name, f"{b['workers'] / 1e9:.3f} GB", f"{b['coordinator'] / 1e9:.3f} GB",
                      f"{b['total'] / 1e9:.3f} GB", f"{b['total'] / base * 100:.1f}%"])
+    from train.exchange.sparse import SparseCodec
+    for d in args.densities:
+        for values in ("2bit", "int4", "int8") if d == 64 / 4096 else ("2bit",):
+            codec = SparseCodec(density=d, chunk=args.chunk, values=values)
+            for state in ("base", "local"):
+                b = sparse_round_bytes(shapes, args.workers, codec, state, args.checkpoint_every)
+                name = f"topk {d * 100:.2f}% {values}, state {'on BASE_DIR' if state == 'base' else 'host-local'}"
+                out[name] = b
+                rows.append([name, f"{b['workers'] / 1e9:.3f} GB", f"{b['coordinator'] / 1e9:.3f} GB",
+                             f"{b['total'] / 1e9:.3f} GB", f"{b['total'] / base * 100:.2f}%"])
     print(f"\nBytes through BASE_DIR per round: {nparams / 1e6:.1f}M parameters (SmolLM2-135M shape, vocab 2048), "
-          f"{args.workers} workers, block {args.block}, checkpoint every {args.checkpoint_every} rounds (amortised)")
+          f"{args.workers} workers, block {args.block}, checkpoint every {args.checkpoint_every} rounds (amortised); "
+          f"topk: chunk {args.chunk}")
     print(table(rows, ["exchange", "workers (r+w)", "coordinator (r+w)", "total", "vs protocol 1"]))
+    unions = {}
+    if args.unions and Path(args.unions).is_file():  # measured by bench/sparse_sim.py --union (16 workers)
+        for line in Path(args.unions).read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("union") and abs(rec.get("density", 0) - 64 / 4096) < 1e-9:
+                unions = {n + 1: u for n, u in enumerate(rec["union"])}
+    wrows, ways = sparse_ways_table(shapes, SparseCodec(chunk=args.chunk), base, unions)
+    out["ways"] = ways
+    print("\nHow θ reaches every copy (topk 1.56% 2bit, host-local state): every worker reads the N sparse deltas "
+          "(built) vs a coordinator update carrying the union of the N selections (u = union / one worker's count, "
+          "measured on real pseudo-gradients when --unions names bench/sparse_sim.py --union output)")
+    print(table(wrows, ["N", "all-read (vs protocol 1 at N)", "measured u", "update fp32", "update 2bit",
+                        "break-even u (fp32 / 2bit)"]))
     return rows, out
 
 
@@ -158,7 +253,7 @@ def quality(args) -> dict:
               "logging.plot=false", f"outer.num_workers={args.workers}", f"outer.local_steps={args.H}",
               f"outer.rounds={args.steps // args.H}", f"outer.lr={args.outer_lr}",
               f"outer.momentum={args.outer_momentum}", f"outer.block_size={args.block}",
-              f"outer.checkpoint_every={args.checkpoint_every}"]
+              f"outer.checkpoint_every={args.checkpoint_every}", f"outer.chunk_size={args.chunk}"]
     base = Path(tempfile.mkdtemp(prefix="edt-compression-"))
     results: dict = {}
     try:
@@ -174,11 +269,16 @@ def quality(args) -> dict:
                 r["bytes_per_round"] = statistics.mean(x["bytes_total"] for x in recs)
                 shapes = model_shapes(_bench_config())
                 state_file = "base"
-                model = round_bytes(shapes, args.workers, comp, args.block, state_file, args.checkpoint_every)
                 # the model's steady state vs the recorded mean (round 1 also reads θ_0: compare rounds >= 2)
                 steady = [x["bytes_total"] for x in recs if x["round"] >= 2 and not x.get("checkpoint")]
-                r["model_bytes_per_round"] = round_bytes(shapes, args.workers, comp, args.block, state_file,
-                                                         10 ** 9)["total"] if comp != "none" else model["total"]
+                if comp == "topk":
+                    from train.exchange.sparse import SparseCodec
+                    r["model_bytes_per_round"] = sparse_round_bytes(shapes, args.workers, SparseCodec(chunk=args.chunk),
+                                                                    state_file, 10 ** 9)["total"]
+                else:
+                    model = round_bytes(shapes, args.workers, comp, args.block, state_file, args.checkpoint_every)
+                    r["model_bytes_per_round"] = round_bytes(shapes, args.workers, comp, args.block, state_file,
+                                                             10 ** 9)["total"] if comp != "none" else model["total"]
                 r["recorded_steady"] = statistics.mean(steady) if steady else None
                 r["fold_steps"] = fold_steps(base / f"c_{codec}_{seed}")
                 results[name] = r
@@ -201,6 +301,12 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--checkpoint-every", type=int, default=20)
     ap.add_argument("--bytes-only", action="store_true")
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.005, 64 / 4096, 0.03, 0.05, 0.1, 0.25],
+                    help="topk densities of the bytes table")
+    ap.add_argument("--chunk", type=int, default=4096, help="topk chunk size")
+    ap.add_argument("--no-block-errors", action="store_true", help="skip the int8/int4 error-by-block table")
+    ap.add_argument("--unions", default=str(REPO / "bench" / "results" / "sparse_union.jsonl"),
+                    help="bench/sparse_sim.py --union output (the measured union of N workers' selections)")
     ap.add_argument("--codecs", nargs="+", default=["none", "int8", "int4", "none+delayed@end", "none+delayed",
                                                         "int8+delayed"],
                     help="outer.compression values; +delayed / +eager also set outer.overlap, and @TAU "
@@ -218,7 +324,7 @@ def main() -> None:
 
     rows, bytes_out = bytes_table(args)
     record = {"args": vars(args), "bytes_107M": bytes_out}
-    if not args.bytes_only:
+    if not args.bytes_only and not args.no_block_errors:
         record["block_errors"] = block_errors()[1]
     if not args.bytes_only:
         res = quality(args)

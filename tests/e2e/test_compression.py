@@ -20,6 +20,7 @@ from train.core.tensorio import load_tensors
 from train.diloco.coordinator import Coordinator
 from train.core.errors import ProtocolError
 from train.exchange.codec import SCALE, get_codec
+from train.exchange.master import exchange_codecs
 from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
 from train.exchange.theta import GlobalTheta, theta_checksum
 
@@ -75,7 +76,7 @@ def test_int8_run_keeps_one_theta_checkpoints_load_and_host_local_state(tmp_path
     assert 2 * values * 1.125 < r3["bytes_deltas"] < 2 * values * 1.125 * 1.15
 
 
-@pytest.mark.parametrize("overlap", ["none", "eager"])
+@pytest.mark.parametrize("overlap", ["none", "eager", "topk-eager"])
 def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     """Coordinator replay (momentum, residual from the deltas since the checkpoint) and worker replay (rounds whose
     state snapshot was lost) give the uninterrupted run's model, bit for bit; with overlap too, where the delta, the
@@ -84,9 +85,12 @@ def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     (eager) and folds θ_r in after overlap_steps = 3 of its 8 steps, before and after a restart (the delayed
     start is the eager one with γ = 1)."""
     # rounds wait for every worker (no straggler deadline): who is in a round must not depend on timing here
+    sparse = overlap.startswith("topk-")  # topk: a restarted coordinator rebuilds θ from the sparse deltas, and a
+    overlap = overlap.removeprefix("topk-")  # replayed sparse delta must have the published sha256
     fixed = {"momentum": 0.9, "lr": 0.7, "straggler_factor": 0.0, "dead_after_s": 600.0, "round_timeout_s": 3600.0,
              "rounds": 4,
-             "overlap": overlap, "local_steps": 4 if overlap == "none" else 8, "overlap_steps": 3}
+             "overlap": overlap, "local_steps": 4 if overlap == "none" else 8, "overlap_steps": 3,
+             **({"compression": "topk", "density": 0.05, "chunk_size": 256, "lr": 2.0} if sparse else {})}
     ref_cfg, ref = _write(tmp_path, "ref", **fixed)
     out = run_script("diloco_sim.py", "--config", str(ref_cfg), timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -102,6 +106,8 @@ def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     ra = {r["round"]: r for r in read_jsonl(ref.metrics)}
     rb = {r["round"]: r for r in read_jsonl(paths.metrics)}
     assert ra[4]["eval_loss"] == rb[4]["eval_loss"] and ra[4]["tokens"] == rb[4]["tokens"]
+    for w in range(2):
+        assert "differs from the published one" not in paths.worker_log(w).read_text()
     if overlap != "none":  # every segment after the first folded the new θ in after 3 of its 8 steps
         assert "round 3: folded θ_3 in after 3 of 8 steps" in ref.worker_log(0).read_text()
 
@@ -230,3 +236,47 @@ def test_pruning_keeps_every_kept_round_buildable_from_a_checkpoint(tmp_path):
     assert not fresh.buildable(3) and fresh.buildable(4)
     with pytest.raises(ProtocolError, match="round 3 cannot be rebuilt"):
         fresh.advance_to(3)
+
+
+def test_topk_delayed_overlap_with_a_worker_killed_and_restarted_completes(tmp_path):
+    """The sparse exchange composed (docs/compression.md#sparse-exchange-topk): top-k deltas that every copy of θ
+    sums itself + the one-round-delayed outer step; a worker is SIGKILLed mid-run, the simulator restarts it, it
+    resumes (replaying what its snapshot missed, with the same sha256) and the run finishes; every copy of θ stayed
+    identical (each worker checks theta_sha256 every round, the coordinator's checkpoint is rebuilt from files)."""
+    import os
+
+    cfg, paths = _write(tmp_path, "topk", compression="topk", density=0.05, chunk_size=256, rounds=4,
+                        local_steps=8, checkpoint_every=2, overlap="delayed", dead_after_s=600.0, keep_rounds=2)
+    sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", str(cfg)), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        def in_round_1(w):
+            try:
+                p = read_json(paths.progress(w))
+            except (OSError, ValueError):
+                return False
+            return p.get("round", -1) >= 1 and p.get("status") != "done"
+        wait_until(lambda: in_round_1(1), 300, "worker 1 in round 1", sim)
+        os.kill(read_json(paths.progress(1))["pid"], signal.SIGKILL)
+        out, _ = sim.communicate(timeout=400)
+    finally:
+        if sim.poll() is None:
+            sim.kill()
+    assert sim.returncode == 0, out
+    log1 = paths.worker_log(1).read_text()
+    assert "restart 1/" in log1 and "resumed worker state" in log1, out
+    assert "differs from the published one" not in log1  # a replayed sparse delta has the published sha256
+    recs = {r["round"]: r for r in read_jsonl(paths.metrics)}
+    assert max(recs) == 4 and all(recs[r]["codec"] == "topk" for r in range(1, 5))
+    used = sum(len(recs[r]["workers_used"]) for r in range(1, 5))
+    assert recs[4]["tokens"] == used * 8 * 8 * 32  # no token twice
+    # no update files: θ travels as the sparse deltas; the final checkpoint is θ_2 + the deltas of rounds 2 and 3
+    assert not list(paths.root.rglob("update.safetensors"))
+    th = GlobalTheta(paths, exchange_codecs(build_config(json.loads(cfg.read_text())).outer)[1])
+    th.load_checkpoint(2)
+    th.advance_to(4)  # checks theta_sha256 of rounds 3 and 4
+    final = load_tensors(paths.global_dir(4) / "model.safetensors")
+    assert all(torch.equal(final[n], th.tensors[n]) for n in th.names)
+    # what a worker read for θ: the sparse deltas of every worker (its sidecar's io), a fraction of one fp32 model
+    meta = read_json(paths.delta_meta(3, 0))
+    assert meta["codec"] == "topk" and 0 < meta["io"]["read"] < 4 * sum(t.numel() for t in final.values())

@@ -126,3 +126,78 @@ def test_timeout_goes_on_with_min_workers_and_names_the_missing(tmp_path, caplog
     assert rec["missing"] == [1] and rec["workers_used"] == [0, 2]
     assert "missing workers [1]" in caplog.text
     assert json.loads(co.paths.committed(1).read_text())["missing"] == [1]
+
+
+# -- the sparse exchange (outer.compression = topk): bad index blocks, another density --------------------------------
+def _sparse_coordinator(tmp_path):
+    outer = {"num_workers": 3, "min_workers": 2, "compression": "topk", "density": 0.05, "chunk_size": 100,
+             "round_timeout_s": 0.5}
+    cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000}, outer=outer,
+                                   logging={"progress": False}))
+    co = Coordinator(cfg, progress=False)
+    co.setup()
+    return co
+
+
+def _publish_sparse(co, w, seed, corrupt=None):
+    import hashlib
+
+    from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
+    from train.exchange.sparse import IDX, SparseCodec, pack_bits, unpack_bits
+
+    paths, theta, codec = co.paths, co.master.theta.tensors, co.master.delta_codec
+    g = torch.Generator().manual_seed(seed)
+    params = {k: v - torch.randn(v.shape, generator=g) * 1e-3 for k, v in theta.items()}
+    f = paths.delta_file(0, w)
+    if corrupt == "wrong_density":
+        codec = SparseCodec(density=0.1, chunk=100)
+    file = write_delta(f, co.names, theta, params, codec, 0, w)
+    if corrupt in ("out_of_range", "repeated", "truncated_index"):
+        from safetensors.torch import load_file, save_file
+        t = load_file(str(f))
+        name = co.names[0]
+        K = codec.count(theta[name].numel())[0]
+        off = unpack_bits(t[name + IDX].numpy(), codec.ibits, K)
+        if corrupt == "out_of_range":
+            off[2] = 120  # 7 bits hold up to 127; the chunk has 100 values
+        elif corrupt == "repeated":
+            off[1] = off[0]
+        t[name + IDX] = torch.from_numpy(pack_bits(off, codec.ibits))
+        if corrupt == "truncated_index":
+            t[name + IDX] = t[name + IDX][:-2]
+        save_file(t, str(f), metadata=codec.metadata())
+        file.update(sha256=hashlib.sha256(f.read_bytes()).hexdigest(), bytes=f.stat().st_size)
+    side = delta_sidecar(0, w, file, inner_steps=5, tokens=1000 * (w + 1), loss=3.0)
+    off, n = co.layout.slice(0, w)
+    side["data"] = {"segment": 0, "offset": off, "windows": n, "read": n}
+    publish_sidecar(paths, side)
+
+
+@pytest.mark.parametrize("case,reason", [("out_of_range", "index is out of range"),
+                                         ("repeated", "indices repeat or are out of order"),
+                                         ("wrong_density", "declares density 0.1, the run uses 0.05"),
+                                         ("truncated_index", "index block of shape")])
+def test_bad_sparse_delta_is_rejected_and_every_copy_of_theta_untouched(tmp_path, case, reason):
+    from train.exchange.sparse import sparse_step
+    from train.exchange.theta import GlobalTheta, theta_checksum
+
+    co = _sparse_coordinator(tmp_path)
+    theta0 = {k: v.clone() for k, v in co.master.theta.tensors.items()}
+    _publish_sparse(co, 0, 0)
+    _publish_sparse(co, 1, 1)
+    _publish_sparse(co, 2, 2, corrupt=case)
+    rec = co.run_round(0)
+    assert rec["workers_used"] == [0, 1] and reason in rec["rejected"]["w002"], rec["rejected"]
+    # θ_1 = θ_0 − lr · the token-weighted (1000 : 2000) mean of the two good sparse deltas, decoded from their files
+    acc = co.master.new_accumulator(0)
+    for w in (0, 1):
+        from train.exchange.protocol import check_sidecar
+        acc.add(w, check_sidecar(co.paths, 0, w, co.master.delta_codec))
+    want = {n: sparse_step(theta0[n], acc.mean(n), co.cfg.outer.lr) for n in co.names}
+    assert all(torch.equal(co.master.theta.tensors[n], want[n]) for n in co.names)
+    committed = read_json(co.paths.committed(1))
+    assert committed["theta_sha256"] == theta_checksum(want, co.names) and "update_sha256" not in committed
+    # a worker's copy, built from the files alone (θ_0 + the accepted sparse deltas), has the same bits
+    copy = GlobalTheta(co.paths, co.master.codec)
+    copy.advance_to(1)
+    assert all(torch.equal(copy.tensors[n], want[n]) for n in co.names)

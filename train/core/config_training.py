@@ -153,7 +153,9 @@ class OuterConfig:
                                    "`delta_dtype`, the full global model every round), int8 or int4 (block-wise "
                                    "absmax), bfloat16 or float16; with a codec, workers send encoded deltas with "
                                    "error feedback and the coordinator publishes the encoded update θ_{r+1} − θ_r "
-                                   "(with its own error feedback) that every copy of θ applies.")
+                                   "(with its own error feedback) that every copy of θ applies; topk: each "
+                                   "worker sends its top `density` of (Δ + β·residual) per chunk at 2 bits "
+                                   "(SparseLoCo) and every copy of θ sums the sparse deltas itself.")
     overlap: str = doc("none", "none (a worker waits for θ_{r+1} after publishing), delayed or eager (it goes on "
                                "training at once and folds θ_{r+1} in one round late; the next segment starts from "
                                "θ_r + its own progress since its delta (delayed), or θ_r + that progress at the "
@@ -167,6 +169,13 @@ class OuterConfig:
                                 "keeps the progress since the segment's start and takes its delta against θ_{r+1}.")
     block_size: int = doc(128, "Values per scale of the int8 / int4 codecs (bench/compression.py measures the "
                                "error against block size).")
+    density: float = doc(0.015625, "topk: the fraction of each chunk's values a worker sends per round "
+                                   "(SparseLoCo's 64 of 4096 = 1.56%).")
+    chunk_size: int = doc(4096, "topk: values per chunk; each chunk sends its own top k = density x chunk_size, "
+                                "offsets in ceil(log2 chunk_size) bits, one scale per chunk.")
+    sparse_values: str = doc("2bit", "topk: codec of the sent values: 2bit (levels ±s, ±3s), int4 or int8.")
+    ef_decay: float = doc(0.95, "topk: β, the decay of each worker's error feedback (e <- β e + Δ before the top-k; "
+                                "it replaces the outer momentum, which topk does not use).")
     checkpoint_every: int = doc(20, "With compression: an fp32 global model directory (HF-loadable) and the outer "
                                     "state every this many rounds (and after the last); processes that start or "
                                     "restart load the last one and apply the logged updates since.")
@@ -221,7 +230,11 @@ class OuterConfig:
         check_range(self, p, "io_retry_s", 0.0)
         check_range(self, p, "keep_rounds", 1)
         check_choice(self, p, "delta_dtype", ("float32", "bfloat16", "float16"))
-        check_choice(self, p, "compression", ("none", "int8", "int4", "bfloat16", "float16"))
+        check_choice(self, p, "compression", ("none", "int8", "int4", "bfloat16", "float16", "topk"))
+        check_range(self, p, "density", 0.0, 1.0, lo_open=True)
+        check_range(self, p, "chunk_size", 2, 1 << 20)
+        check_choice(self, p, "sparse_values", ("2bit", "int4", "int8"))
+        check_range(self, p, "ef_decay", 0.0, 1.0)
         check_choice(self, p, "overlap", ("none", "delayed", "eager"))
         check_range(self, p, "overlap_steps", 0)
         check_range(self, p, "block_size", 8, 1 << 20)

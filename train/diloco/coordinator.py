@@ -57,7 +57,9 @@ def run_identity(cfg: RunConfig) -> dict:
             "fake_data": cfg.data.fake_data, "seq_length": cfg.data.seq_length, "seed": cfg.seed,
             "delta_dtype": cfg.outer.delta_dtype,
             **({"compression": cfg.outer.compression, "block_size": cfg.outer.block_size}
-               if cfg.outer.compression != "none" else {})}
+               if cfg.outer.compression != "none" else {}),
+            **({"density": cfg.outer.density, "chunk_size": cfg.outer.chunk_size,
+                "sparse_values": cfg.outer.sparse_values} if cfg.outer.compression == "topk" else {})}
 
 
 class Coordinator:
@@ -366,8 +368,8 @@ class Coordinator:
         # carries the metrics record, so a coordinator killed before logging it logs it when it resumes.
         commit(paths, r + 1, {"workers": ok, "missing": missing, "missing_why": self.missing_why,
                               "rejected": record["rejected"], "late": late, "record": record,
-                              **{k: fields[k] for k in ("update_sha256", "theta_sha256", "codec", "checkpoint")
-                                 if k in fields}})
+                              **{k: fields[k] for k in ("update_sha256", "theta_sha256", "codec", "checkpoint",
+                                                        "sparse_step") if k in fields}})
         record["commit_s"] = round(time.perf_counter() - t3, 3)
         self.log_record(record)
         self.timeline.round_closed(r)  # before the pruning: the sidecars hold the workers' timings

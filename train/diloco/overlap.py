@@ -275,7 +275,11 @@ class Eager(Delayed):
     def gain(self, w, r: int) -> float:
         """γ of round r's outer step (train/core/outer.py eager_gain), with the workers the layout gives round r."""
         lay = w.layout()
-        return eager_gain(r, self.oc, lay.slots(r) if lay is not None else self.oc.num_workers)
+        M = lay.slots(r) if lay is not None else self.oc.num_workers
+        if self.oc.compression == "topk":  # θ − η · mean, no outer momentum (train/exchange/sparse.py): γ = η / M
+            from train.core.outer import outer_lr_at
+            return outer_lr_at(r, self.oc) / max(1, M)
+        return eager_gain(r, self.oc, M)
 
 
 POLICIES = {"none": Synchronous, "delayed": Delayed, "eager": Eager}

@@ -177,12 +177,16 @@ def get_codec(name: str, block: int = 128) -> Codec:
 
 
 class Residual:
-    """Error feedback for one sender: `send(name, x)` returns what to store for x + (what was lost last time) and
+    """Error feedback for one sender: `send(name, x)` returns what to store for x + (what was lost last time, times
+    the codec's `ef_decay` β when it has one) and
     keeps the new loss. `tensors()` / `load()` make it part of the sender's resume state."""
 
     def __init__(self, codec: Codec):
         self.codec = codec
         self.error: dict[str, torch.Tensor] = {}
+        # β of SparseLoCo's error feedback (train/exchange/sparse.py): e is decayed before it joins the next
+        # message; 1 (every dense codec) carries it whole
+        self.decay = float(getattr(codec, "ef_decay", 1.0))
 
     @torch.no_grad()
     def send(self, name: str, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -190,7 +194,7 @@ class Residual:
         v = x.to(torch.float32)
         e = self.error.get(name)
         if e is not None:
-            v = v + e.to(v.device)
+            v = v + (e if self.decay == 1.0 else e * self.decay).to(v.device)
         stored = self.codec.encode(name, v)
         seen = self.codec.decode(name, stored, tuple(v.shape))
         if not self.codec.lossless:

@@ -4,6 +4,9 @@ the outer step from the accumulated deltas; the files that commit round r + 1; r
 Without compression (outer.compression = none) round r + 1 publishes the full θ_{r+1} (rounds/r+1/global/) and the
 momentum (outer_state.safetensors), as protocol 1 always did; a restart loads both.
 
+With topk (train/exchange/sparse.py) nothing is published but the commit record: every copy, the master too, sums
+the accepted sparse deltas itself; no momentum, no residual, checkpoints of θ only.
+
 With a codec, round r + 1 publishes only u = encode(θ* − θ_r + e) (update.safetensors), where θ* is the outer step's
 result and e the residual of earlier rounds; θ_{r+1} = θ_r + decode(u) on every copy (train/exchange/theta.py). The
 global directory and outer_state (momentum + residual) are written every outer.checkpoint_every rounds and after the
@@ -40,6 +43,11 @@ def exchange_codecs(oc) -> tuple[Codec, Codec | None]:
 
     if oc.compression == "none":
         return get_codec(oc.delta_dtype), None
+    if oc.compression == "topk":  # the sparse deltas are the way back too (train/exchange/sparse.py)
+        from train.exchange.sparse import get_sparse_codec
+
+        c = get_sparse_codec(oc)
+        return c, c
     c = get_codec(oc.compression, oc.block_size)
     return c, c
 
@@ -70,13 +78,23 @@ class OuterMaster:
         self.theta = GlobalTheta(paths, self.codec)
         self.names, self.shapes = self.theta.names, self.theta.shapes
         self.momentum: dict[str, torch.Tensor] = {}
-        self.residual = Residual(self.codec) if self.codec is not None else None
+        # topk: every copy sums the sparse deltas itself: no update, no residual of ours, no momentum (SparseLoCo)
+        self.sparse = bool(getattr(self.codec, "sparse", False))
+        self.residual = Residual(self.codec) if self.codec is not None and not self.sparse else None
+        if self.sparse and oc.momentum:
+            log.info("outer.compression = topk: the outer step is θ − lr · mean (SparseLoCo); outer.momentum = %g is "
+                     "not used (the workers' error feedback, outer.ef_decay = %g, plays its part)", oc.momentum,
+                     oc.ef_decay)
 
     @property
     def round(self) -> int | None:
         return self.theta.round
 
     def new_accumulator(self, r: int) -> Accumulator:
+        if self.sparse:
+            from train.exchange.sparse import SparseAccumulator
+
+            return SparseAccumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted)
         return Accumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted)
 
     def is_checkpoint_round(self, r: int) -> bool:
@@ -97,6 +115,9 @@ class OuterMaster:
         if self.codec is None:
             self.theta.advance_to(r)
             self._load_state(r)
+            return
+        if self.sparse:  # the same rebuild as every worker's: checkpoint + the committed rounds' sparse deltas
+            self.theta.advance_to(r)
             return
         c = self.theta.last_checkpoint(r)
         self.theta.load_checkpoint(c)
@@ -179,9 +200,16 @@ class OuterMaster:
         writes COMMITTED with the returned fields {update_sha256, theta_sha256, checkpoint, bytes_written})."""
         if self.theta.round != r:
             raise ProtocolError(f"the master θ is at round {self.theta.round}, the step needs round {r}")
-        stored, new_theta = self._step(r, acc, lr)
         written, fields = 0, {}
-        if self.codec is None:
+        if self.sparse:
+            from train.exchange.sparse import sparse_step
+
+            lr = outer_lr_at(r, self.oc) if lr is None else lr
+            fields["sparse_step"] = {"lr": lr, "token_weighted": bool(self.oc.token_weighted)}
+            stored, new_theta = {}, {n: sparse_step(self.theta.tensors[n], acc.mean(n), lr) for n in self.names}
+        else:
+            stored, new_theta = self._step(r, acc, lr)
+        if self.codec is None or self.sparse:
             self.theta.tensors = new_theta
         else:
             sha, nbytes = self._write_update(self.paths.update_file(r + 1), stored, r + 1)
@@ -193,6 +221,7 @@ class OuterMaster:
         checkpoint = self.is_checkpoint_round(r + 1)
         if checkpoint:
             written += write_global(self.paths, r + 1, self.names, self.theta.tensors)
+        if checkpoint and not self.sparse:  # topk keeps no outer state
             state = dict(self.momentum)
             if self.residual is not None:
                 state.update(self.residual.tensors(RESIDUAL))

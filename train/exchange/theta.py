@@ -8,6 +8,9 @@ value and the add one IEEE add, so the result is the same bits everywhere; the c
 θ_{r+1}'s bytes and every copy checks it (`verify`): a copy that drifted stops with a ProtocolError instead of
 training on a different model.
 
+With topk (train/exchange/sparse.py) there is no update file: θ_{r+1} = θ_r − α · mean of the sparse deltas the
+commit record of round r + 1 lists, read, checked and summed in one fixed order by every copy (`apply_sparse`).
+
 A process that starts late or restarts loads the last fp32 checkpoint c <= r (rounds/c/global/, written every
 outer.checkpoint_every rounds, round 0 and the last round) and applies the updates c+1..r; pruning keeps them.
 """
@@ -102,7 +105,10 @@ class GlobalTheta:
         checkpoint <= r with every update after it on disk (None: θ_r cannot be built from the run's files)."""
         if self.codec is None:
             return r if self.paths.is_checkpoint(r) else None
-        have = lambda a: all(sharedfs.exists(self.paths.update_file(k)) for k in range(a + 1, r + 1))  # noqa: E731
+        if getattr(self.codec, "sparse", False):  # topk: round k is built from the deltas its commit lists
+            have = lambda a: all(self._sparse_inputs_exist(k) for k in range(a + 1, r + 1))  # noqa: E731
+        else:
+            have = lambda a: all(sharedfs.exists(self.paths.update_file(k)) for k in range(a + 1, r + 1))  # noqa: E731
         if self.round is not None and self.round <= r and have(self.round):
             return self.round
         for c in sorted((c for c in {0, *self.paths.committed_rounds()} if c <= r), reverse=True):
@@ -129,8 +135,47 @@ class GlobalTheta:
             self.apply(k)
         return True
 
+    def _sparse_inputs(self, k: int) -> tuple[dict, list[tuple[int, int, float | None]]]:
+        """(commit record of round k, [(round, worker, late weight or None)]: the deltas θ_k is built from)."""
+        rec = read_json(self.paths.committed(k))
+        ins = [(k - 1, int(w), None) for w in rec.get("workers", [])]
+        ins += [(k - 2, int(w[1:]), float(v["weight"])) for w, v in (rec.get("late") or {}).items()]
+        return rec, ins
+
+    def _sparse_inputs_exist(self, k: int) -> bool:
+        try:
+            _, ins = self._sparse_inputs(k)
+        except (OSError, ValueError):
+            return False
+        return all(sharedfs.exists(self.paths.delta_meta(q, w)) for q, w, _ in ins)
+
+    def apply_sparse(self, k: int) -> None:
+        """topk: θ_k = θ_{k−1} − α · mean of the sparse deltas round k accepted (train/exchange/sparse.py)."""
+        from train.exchange.protocol import RejectedDelta, check_sidecar
+        from train.exchange.sparse import SparseAccumulator, sparse_step
+
+        rec, ins = self._sparse_inputs(k)
+        step = rec.get("sparse_step")
+        if not isinstance(step, dict):
+            raise ProtocolError(f"{self.paths.committed(k)}: no sparse_step (outer lr) in the commit record of a "
+                                f"topk run: written by another version? Restart the run with this version")
+        acc = SparseAccumulator(self.paths, k - 1, self.shapes, self.codec, bool(step["token_weighted"]))
+        try:
+            for q, w, late in ins:
+                acc.add(w, check_sidecar(self.paths, q, w, self.codec), late_weight=late)
+        except RejectedDelta as e:
+            raise ProtocolError(f"round {k}: a delta the commit accepted does not check here ({e}): the run's "
+                                f"files changed after the commit") from None
+        self.bytes_read += acc.bytes_read
+        for n in self.names:
+            self.tensors[n] = sparse_step(self.tensors[n], acc.mean(n), float(step["lr"]))
+        self.round = k
+        self.verify(k)
+
     def apply(self, k: int) -> None:
         """θ_k = θ_{k−1} + decode(u_k), then check θ_k's checksum against the commit record."""
+        if getattr(self.codec, "sparse", False):
+            return self.apply_sparse(k)
         u, nbytes = read_update(self.paths, k, self.codec, self.shapes)
         self.bytes_read += nbytes
         for n in self.names:

@@ -1,0 +1,162 @@
+"""The topk codec (train/exchange/sparse.py): what is selected round-trips, error feedback with β, deterministic
+selection on ties, packed offsets, and what a reader refuses."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from train.exchange.codec import CodecError, Residual
+from train.exchange.sparse import IDX, SCALE, VAL, SparseCodec, pack_bits, sparse_step, unpack_bits
+
+floats = st.floats(min_value=-1e3, max_value=1e3, allow_nan=False, allow_infinity=False, width=32)
+codecs = st.builds(SparseCodec, density=st.sampled_from([0.05, 0.1, 0.25, 0.5]), chunk=st.sampled_from([8, 20, 64]),
+                   values=st.sampled_from(["2bit", "int4", "int8"]))
+
+
+def _chunks(c: SparseCodec, n: int):
+    return [(a, min(a + c.chunk, n)) for a in range(0, n, c.chunk)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(values=st.lists(floats, min_size=1, max_size=200), c=codecs)
+def test_round_trip_of_what_was_selected(values, c):
+    x = torch.tensor(values, dtype=torch.float32)
+    stored = c.encode("t", x)
+    for k, (dtype, shape) in c.specs("t", tuple(x.shape)).items():  # the header the reader expects, exactly
+        assert stored[k].dtype == dtype and tuple(stored[k].shape) == shape
+    c.check_values("t", stored, tuple(x.shape))
+    y = c.decode("t", stored, tuple(x.shape))
+    pos, _ = c._unpack("t", stored, x.numel())
+    sel = torch.zeros(x.numel(), dtype=torch.bool)
+    sel[torch.from_numpy(pos)] = True
+    assert not bool(y[~sel].any())  # nothing outside the selection
+    for a, b in _chunks(c, x.numel()):
+        k = c.k_of(b - a)
+        assert int(sel[a:b].sum()) == k
+        # the k largest magnitudes of the chunk: nothing left out is larger than what was kept
+        kept, left = x[a:b][sel[a:b]].abs(), x[a:b][~sel[a:b]].abs()
+        if left.numel():
+            assert float(left.max()) <= float(kept.min())
+        # each kept value within half a code step of its chunk's scale (2bit: levels ±s, ±3s cover [s, 3s] by s)
+        s = float(stored["t" + SCALE][a // c.chunk])
+        err = (x[a:b] - y[a:b])[sel[a:b]].abs()
+        bound = s if c.vbits == 2 else s / 2
+        assert bool((err <= bound * (1 + 1e-5) + 1e-30).all())
+
+
+@settings(max_examples=12, deadline=None)
+@given(seq=st.lists(st.lists(floats, min_size=30, max_size=30), min_size=2, max_size=8),
+       values=st.sampled_from(["2bit", "int8"]))
+def test_error_feedback_sum_sent_tracks_sum_meant(seq, values):
+    """β = 1: Σ sent + residual == Σ meant (up to float rounding); nothing is lost, only delayed."""
+    c = SparseCodec(density=0.1, chunk=10, values=values, ef_decay=1.0)
+    res = Residual(c)
+    meant = torch.zeros(30, dtype=torch.float64)
+    sent = torch.zeros(30, dtype=torch.float64)
+    for v in seq:
+        x = torch.tensor(v, dtype=torch.float32)
+        meant += x.double()
+        sent += res.send("t", x)[1].double()
+    tol = 1e-4 * (1 + float(meant.abs().max()) * len(seq))
+    torch.testing.assert_close(sent + res.error["t"].double(), meant, rtol=0, atol=tol)
+
+
+def test_error_feedback_decays_with_beta():
+    """e <- β e + Δ before the selection (SparseLoCo): with nothing new, the carried error shrinks by β a round."""
+    c = SparseCodec(density=0.25, chunk=4, values="int8", ef_decay=0.5)
+    res = Residual(c)
+    x = torch.tensor([8.0, 1.0, 1.0, 1.0])
+    _, seen = res.send("t", x)
+    assert seen[0] == 8.0 and not bool(seen[1:].any())
+    assert torch.equal(res.error["t"], torch.tensor([0.0, 1.0, 1.0, 1.0]))
+    _, seen = res.send("t", torch.zeros(4))
+    assert torch.equal(seen, torch.tensor([0.0, 0.5, 0.0, 0.0]))  # 0.5 · e; the tie goes to the lower offset
+    assert torch.equal(res.error["t"], torch.tensor([0.0, 0.0, 0.5, 0.5]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(base=st.lists(st.sampled_from([-2.0, -1.0, 0.0, 1.0, 2.0]), min_size=16, max_size=64))
+def test_selection_on_ties_is_deterministic_and_prefers_the_lower_offset(base):
+    c = SparseCodec(density=0.25, chunk=16, values="int8")
+    x = torch.tensor(base, dtype=torch.float32)
+    a, b = c.encode("t", x), c.encode("t", x.clone())
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    pos, _ = c._unpack("t", a, x.numel())
+    for lo, hi in _chunks(c, x.numel()):
+        mine = [p - lo for p in pos if lo <= p < hi]
+        k = c.k_of(hi - lo)
+        want = sorted(sorted(range(hi - lo), key=lambda i: (-abs(base[lo + i]), i))[:k])
+        assert mine == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(vals=st.lists(st.integers(0, 4095), min_size=1, max_size=200), bits=st.sampled_from([2, 7, 12, 13]))
+def test_bit_packing_round_trips_in_ceil_bits(vals, bits):
+    v = np.array([x % (1 << bits) for x in vals], dtype=np.uint32)
+    packed = pack_bits(v, bits)
+    assert packed.dtype == np.uint8 and packed.size == -(-v.size * bits // 8)
+    assert np.array_equal(unpack_bits(packed, bits, v.size), v)
+
+
+def test_offsets_take_12_bits_at_chunk_4096_and_a_round_is_under_2_percent_of_fp32():
+    c = SparseCodec()  # the paper's 64 of 4096, 2-bit values
+    assert c.ibits == 12 and c.k_of(4096) == 64
+    specs = c.specs("w", (576, 4096 * 4))
+    K = 576 * 4 * 64
+    assert specs["w" + IDX] == (torch.uint8, (K * 12 // 8,)) and specs["w" + VAL] == (torch.uint8, (K // 4,))
+    assert c.bytes_per_value() / 4 < 0.0072
+
+
+def _stored(c, n=300, seed=0):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return c.encode("t", x)
+
+
+@pytest.mark.parametrize("case", ["out_of_range", "repeated", "nan_scale"])
+def test_reader_refuses_bad_indices_and_scales(case):
+    c = SparseCodec(density=0.05, chunk=100, values="2bit")  # offsets in 7 bits: 100..127 are representable
+    s = _stored(c)
+    off = unpack_bits(s["t" + IDX].numpy(), c.ibits, c.count(300)[0])
+    if case == "out_of_range":
+        off[4] = 120
+        msg = "out of range"
+    elif case == "repeated":
+        off[1] = off[0]
+        msg = "repeat"
+    if case == "nan_scale":
+        s["t" + SCALE][1] = float("nan")
+        msg = "not finite"
+    else:
+        s["t" + IDX] = torch.from_numpy(pack_bits(off, c.ibits))
+    with pytest.raises(CodecError, match=msg):
+        c.check_values("t", s, (300,))
+
+
+def test_header_check_refuses_another_density_a_truncated_index_block_and_another_codec():
+    c = SparseCodec(density=0.05, chunk=100)
+    shapes = {"t": (300,)}
+
+    def header(stored):
+        from train.core.tensorio import _DTYPES
+        return {k: {"shape": list(v.shape), "dtype": _DTYPES[v.dtype]} for k, v in stored.items()}
+
+    s = _stored(c)
+    c.check_header(header(s), shapes, c.metadata())
+    other = SparseCodec(density=0.1, chunk=100)
+    with pytest.raises(CodecError, match="declares density 0.1, the run uses 0.05"):
+        c.check_header(header(other.encode("t", torch.randn(300))), shapes, other.metadata())
+    s["t" + IDX] = s["t" + IDX][:-1]
+    with pytest.raises(CodecError, match=r"t::idx: index block of shape .* \(truncated\?\)"):
+        c.check_header(header(s), shapes, c.metadata())
+    with pytest.raises(CodecError, match="declares codec 'int8'"):
+        c.check_header(header(s), shapes, {"codec": "int8", "block": "128"})
+
+
+def test_sparse_step_leaves_unsent_values_bit_identical():
+    theta = torch.tensor([1.0, -0.0, 3.0, 1e-30])
+    mean = torch.tensor([0.0, 0.0, 0.5, 0.0])
+    out = sparse_step(theta, mean, 0.7)
+    assert out[0] == 1.0 and out[3] == 1e-30 and out[2] == torch.tensor(3.0) + torch.tensor(0.5) * -0.7

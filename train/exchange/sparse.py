@@ -1,0 +1,303 @@
+"""The sparse exchange (outer.compression = topk): chunked top-k of (Δ + β·residual), values at 2 bits (or int4 /
+int8), offsets packed in as few bits as the chunk needs, error feedback keeping everything not sent — SparseLoCo's
+recipe (Sarfi et al. 2025, arXiv 2508.15706; docs/compression.md says what we took and where we differ).
+
+Per tensor of n values, cut into chunks of C (the last one may be shorter, L = n mod C): each chunk keeps its
+k_L = max(1, round(density · L)) entries of largest magnitude (ties: the lower offset wins, so the selection is a
+function of the values alone), listed by offset in increasing order. Stored, in file order:
+
+    <name>::idx    uint8   the offsets, ceil(log2 C) bits each (12 for C = 4096), little-endian bit stream
+    <name>::val    uint8   the value codes, 2 or 4 bits each (int8: one int8 each)
+    <name>::scale  float32 one absmax scale per chunk
+
+Every shape is a function of (n, C, density, value bits): a truncated index block, a missing scale or another density
+is a header mismatch, refused before any tensor is read. Offsets out of range or repeated (not strictly increasing
+within a chunk) and non-finite scales are refused by `check_values`.
+
+Values: 2 bits code the levels (2c − 3) · s ∈ {−3s, −s, s, 3s} with s = max|v| / 3 over the chunk's selected values
+(they are the chunk's largest, so no level at 0 is needed); int4 / int8 are the block codecs' codes in [−7, 7] /
+[−127, 127] with s = max|v| / qmax. Decoding is one IEEE multiply of a small integer by s, scattered into zeros: the
+same bits on every device.
+
+The aggregate (train/exchange/theta.py, master.py): no update file. Every copy of θ — each worker's and the
+coordinator's — reads the accepted sparse deltas of the round (the commit record lists them, and the late ones),
+sums them in float64 in one fixed order (workers by id, then late deltas by id) and applies
+θ_{r+1} = θ_r + (−α) · mean, α the outer lr the commit record carries: the same arithmetic on the same bits, so every
+copy is bit-identical and theta_sha256 still checks it. There is no outer momentum: the error feedback's decay β
+plays its part (SparseLoCo). bench/compression.py measures why this beats a coordinator update for N <= 16.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+from safetensors.torch import load as load_safetensors
+
+from train.core import sharedfs
+from train.core.store import RunPaths
+from train.core.tensorio import read_header
+from train.exchange.codec import CodecError
+from train.exchange.protocol import RejectedDelta
+
+IDX, VAL, SCALE = "::idx", "::val", "::scale"
+VALUE_CODECS = {"2bit": 2, "int4": 4, "int8": 8}
+
+
+def pack_bits(x: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned integers < 2**bits -> a little-endian bit stream, `bits` per value (uint8, ceil(n·bits/8) bytes)."""
+    x = np.ascontiguousarray(x, dtype=np.uint32)
+    planes = ((x[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
+    return np.packbits(planes.reshape(-1), bitorder="little")
+
+
+def unpack_bits(b: np.ndarray, bits: int, n: int) -> np.ndarray:
+    planes = np.unpackbits(np.ascontiguousarray(b, dtype=np.uint8), count=n * bits, bitorder="little")
+    return (planes.reshape(n, bits).astype(np.uint32) << np.arange(bits, dtype=np.uint32)).sum(axis=1,
+                                                                                               dtype=np.uint32)
+
+
+@dataclass(frozen=True)
+class SparseCodec:
+    """The topk codec (module doc); the same interface as train/exchange/codec.py's Codec."""
+    density: float = 64 / 4096
+    chunk: int = 4096
+    values: str = "2bit"
+    ef_decay: float = 0.95     # β of the senders' error feedback (Residual reads it)
+    name: str = "topk"
+    sparse = True
+    quantised = True
+    lossless = False
+
+    @property
+    def block(self) -> int:           # what protocol.write_delta's sidecar records
+        return self.chunk
+
+    @property
+    def vbits(self) -> int:
+        return VALUE_CODECS[self.values]
+
+    @property
+    def qmax(self) -> int:
+        return {2: 3, 4: 7, 8: 127}[self.vbits]
+
+    @property
+    def ibits(self) -> int:
+        return max(1, math.ceil(math.log2(self.chunk)))
+
+    def metadata(self) -> dict[str, str]:
+        return {"codec": self.name, "block": str(self.chunk), "density": repr(self.density), "values": self.values}
+
+    def k_of(self, length: int) -> int:
+        return max(1, min(length, int(self.density * length + 0.5)))
+
+    def layout(self, n: int) -> tuple[int, int, int, int]:
+        """(full chunks, k per full chunk, length of the last short chunk or 0, its k or 0)."""
+        full, rem = divmod(n, self.chunk)
+        return full, self.k_of(self.chunk), rem, (self.k_of(rem) if rem else 0)
+
+    def count(self, n: int) -> tuple[int, int]:
+        """(selected values, chunks) of a tensor of n values."""
+        full, k, rem, kr = self.layout(n)
+        return full * k + kr, full + (1 if rem else 0)
+
+    def specs(self, name: str, shape: tuple) -> dict[str, tuple[torch.dtype, tuple]]:
+        K, nc = self.count(math.prod(shape))
+        vals = (torch.int8, (K,)) if self.vbits == 8 else (torch.uint8, (-(-K * self.vbits // 8),))
+        return {name + IDX: (torch.uint8, (-(-K * self.ibits // 8),)), name + VAL: vals,
+                name + SCALE: (torch.float32, (nc,))}
+
+    def bytes_per_value(self) -> float:
+        """Bytes per model value (full chunks)."""
+        k = self.k_of(self.chunk)
+        return (k * (self.ibits + self.vbits) / 8 + 4) / self.chunk
+
+    # -- encode / decode ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _select(mat: torch.Tensor, k: int) -> torch.Tensor:
+        """Offsets of the k largest |values| per row, ascending; ties go to the lower offset (stable sort)."""
+        order = torch.sort(mat.abs(), dim=1, descending=True, stable=True).indices[:, :k]
+        return torch.sort(order, dim=1).values
+
+    @torch.no_grad()
+    def encode(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        flat = x.detach().reshape(-1).to("cpu", torch.float32)
+        full, k, rem, kr = self.layout(flat.numel())
+        offs, vals = [], []
+        if full:
+            m = flat[:full * self.chunk].view(full, self.chunk)
+            o = self._select(m, k)
+            offs.append(o.reshape(-1))
+            vals.append(torch.gather(m, 1, o))
+        if rem:
+            m = flat[full * self.chunk:].view(1, rem)
+            o = self._select(m, kr)
+            offs.append(o.reshape(-1))
+            vals.append(torch.gather(m, 1, o))
+        scales, codes = [], []
+        for v in vals:
+            s = v.abs().amax(dim=1) / self.qmax
+            inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s)).unsqueeze(1)
+            if self.vbits == 2:  # levels 2c − 3: c = round((v / s + 3) / 2) in 0..3
+                c = torch.round((v * inv + 3) / 2).clamp_(0, 3)
+            else:
+                c = torch.round(v * inv).clamp_(-self.qmax, self.qmax)
+            scales.append(s)
+            codes.append(c.reshape(-1))
+        off = torch.cat(offs).numpy()
+        code = torch.cat(codes)
+        idx = torch.from_numpy(pack_bits(off, self.ibits))
+        if self.vbits == 8:
+            val = code.to(torch.int8)
+        else:
+            val = torch.from_numpy(pack_bits(code.to(torch.int64).numpy() + (0 if self.vbits == 2 else 8),
+                                             self.vbits))
+        return {name + IDX: idx, name + VAL: val, name + SCALE: torch.cat(scales).to(torch.float32)}
+
+    def _unpack(self, name: str, stored: Mapping[str, torch.Tensor], n: int) -> tuple[np.ndarray, torch.Tensor]:
+        """(absolute positions of the K selected values, their levels as float32 integers)."""
+        K, _ = self.count(n)
+        off = unpack_bits(stored[name + IDX].numpy(), self.ibits, K).astype(np.int64)
+        full, k, rem, kr = self.layout(n)
+        base = np.concatenate([np.repeat(np.arange(full, dtype=np.int64) * self.chunk, k),
+                               np.full(kr, full * self.chunk, dtype=np.int64)])
+        if self.vbits == 8:
+            lev = stored[name + VAL].to(torch.float32)
+        else:
+            c = torch.from_numpy(unpack_bits(stored[name + VAL].numpy(), self.vbits, K).astype(np.int64))
+            lev = (2 * c - 3 if self.vbits == 2 else c - 8).to(torch.float32)
+        return base + off, lev
+
+    def chunk_of_values(self, n: int) -> torch.Tensor:
+        full, k, rem, kr = self.layout(n)
+        return torch.cat([torch.arange(full).repeat_interleave(k), torch.full((kr,), full, dtype=torch.int64)])
+
+    @torch.no_grad()
+    def decode(self, name: str, stored: Mapping[str, torch.Tensor], shape: tuple) -> torch.Tensor:
+        n = math.prod(shape)
+        pos, lev = self._unpack(name, stored, n)
+        s = stored[name + SCALE].to(torch.float32)[self.chunk_of_values(n)]
+        out = torch.zeros(n, dtype=torch.float32)
+        out[torch.from_numpy(pos)] = lev * s
+        return out.reshape(shape)
+
+    # -- checking a file written by someone else -----------------------------------------------------------------------
+    def check_header(self, header: Mapping[str, dict], expect_shapes: Mapping[str, tuple],
+                     metadata: Mapping[str, str]) -> None:
+        from train.core.tensorio import _DTYPES
+
+        if metadata.get("codec") != self.name:
+            raise CodecError(f"the file declares codec {metadata.get('codec')!r}, the run uses {self.name!r}")
+        for key, want in (("block", str(self.chunk)), ("density", repr(self.density)), ("values", self.values)):
+            if metadata.get(key) != want:
+                raise CodecError(f"the file declares {'chunk size' if key == 'block' else key} {metadata.get(key)}, "
+                                 f"the run uses {want}")
+        want: dict[str, tuple] = {}
+        for n, s in expect_shapes.items():
+            want.update(self.specs(n, tuple(s)))
+        if set(header) != set(want):
+            diff = sorted(set(header) ^ set(want))
+            raise CodecError(f"tensor names differ from what topk stores for the global model (e.g. {diff[:3]})")
+        for k, (dtype, shape) in want.items():
+            info = header[k]
+            if tuple(info["shape"]) != tuple(shape):
+                what = "index block" if k.endswith(IDX) else "values" if k.endswith(VAL) else "scales"
+                raise CodecError(f"{k}: {what} of shape {info['shape']}, topk (density {self.density}, chunk "
+                                 f"{self.chunk}, {self.values}) stores {list(shape)} (truncated?)")
+            if info["dtype"] != _DTYPES[dtype]:
+                raise CodecError(f"{k}: dtype {info['dtype']}, expected {_DTYPES[dtype]}")
+
+    def check_values(self, name: str, stored: Mapping[str, torch.Tensor], shape: tuple | None = None) -> None:
+        """Scales finite and >= 0; offsets inside their chunk and strictly increasing (no repeats); int8 != −128."""
+        s = stored[name + SCALE]
+        if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
+            raise CodecError(f"{name}: scales are not finite and >= 0 (NaN/inf or negative)")
+        if self.vbits == 8 and bool((stored[name + VAL] == -128).any()):
+            raise CodecError(f"{name}: int8 code -128 is outside [-127, 127]")
+        if shape is None:
+            return
+        n = math.prod(shape)
+        K, _ = self.count(n)
+        off = unpack_bits(stored[name + IDX].numpy(), self.ibits, K).astype(np.int64)
+        full, k, rem, kr = self.layout(n)
+        rows = [(off[:full * k].reshape(full, k), self.chunk)] if full else []
+        if kr:
+            rows.append((off[full * k:].reshape(1, kr), rem))
+        for o, length in rows:
+            if bool((o >= length).any()):
+                raise CodecError(f"{name}: an index is out of range (offset >= chunk length {length})")
+            if o.shape[1] > 1 and bool((np.diff(o, axis=1) <= 0).any()):
+                raise CodecError(f"{name}: indices repeat or are out of order within a chunk")
+
+
+def get_sparse_codec(oc) -> SparseCodec:
+    return SparseCodec(density=float(oc.density), chunk=int(oc.chunk_size), values=oc.sparse_values,
+                       ef_decay=float(oc.ef_decay))
+
+
+class SparseAccumulator:
+    """The accepted sparse deltas of round r, summed in one fixed order (workers by id, then late deltas by id) so
+    that every process that reads the same deltas computes the same mean, bit for bit. Same interface as
+    train/exchange/accumulate.py's Accumulator (the coordinator adds deltas as they arrive)."""
+
+    def __init__(self, paths: RunPaths, r: int, shapes: dict[str, tuple], codec: SparseCodec, token_weighted: bool):
+        self.paths, self.r, self.shapes, self.codec = paths, r, shapes, codec
+        self.token_weighted = token_weighted
+        self.stored: dict[tuple[int, int], tuple[float, dict]] = {}   # (0 on time / 1 late, worker) -> (a, tensors)
+        self.workers: list[int] = []
+        self.metas: dict[int, dict] = {}
+        self.late: dict[int, dict] = {}
+        self.bytes_read = 0
+        self._sums: dict[str, torch.Tensor] | None = None
+
+    def add(self, w: int, meta: dict, late_weight: float | None = None) -> None:
+        late = late_weight is not None
+        f = self.paths.delta_file(self.r - 1 if late else self.r, w)
+        try:
+            data = sharedfs.read_bytes(f)
+        except OSError as e:
+            raise RejectedDelta(w, f"unreadable delta file ({e})")
+        self.bytes_read += len(data)
+        if len(data) != meta["bytes"]:
+            raise RejectedDelta(w, f"file has {len(data)} bytes, sidecar says {meta['bytes']} (truncated?)")
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise RejectedDelta(w, "sha256 of the file differs from its sidecar (torn or corrupt)")
+        try:
+            header, fmeta = read_header(f)
+            self.codec.check_header(header, self.shapes, fmeta)
+            stored = load_safetensors(data)
+            for n, shape in self.shapes.items():
+                self.codec.check_values(n, stored, shape)
+        except (CodecError, ValueError, OSError) as e:
+            raise RejectedDelta(w, str(e))
+        a = (float(meta["tokens"]) if self.token_weighted else 1.0) * (late_weight if late else 1.0)
+        self.stored[(int(late), w)] = (a, stored)
+        self._sums = None
+        if late:
+            self.late[w] = meta
+            return
+        self.workers.append(w)
+        self.metas[w] = meta
+
+    @property
+    def total(self) -> float:
+        return sum(a for a, _ in self.stored.values())
+
+    def mean(self, name: str) -> torch.Tensor:
+        """The weighted mean delta of one tensor (float32), summed in float64 in the fixed order."""
+        acc = torch.zeros(math.prod(self.shapes[name]), dtype=torch.float64)
+        total = 0.0
+        for key in sorted(self.stored):
+            a, stored = self.stored[key]
+            acc.add_(self.codec.decode(name, stored, self.shapes[name]).reshape(-1).to(torch.float64), alpha=a)
+            total += a
+        return (acc / total).to(torch.float32).reshape(self.shapes[name])
+
+
+def sparse_step(theta: torch.Tensor, mean: torch.Tensor, lr: float) -> torch.Tensor:
+    """θ_{r+1} = θ_r + (−α · mean): one IEEE multiply, then one add (no fused multiply-add, the same bits
+    everywhere). Where no worker sent a value, mean is 0 and θ keeps its value."""
+    return theta.add(mean.mul(-float(lr)))
