@@ -76,7 +76,9 @@ def test_int8_run_keeps_one_theta_checkpoints_load_and_host_local_state(tmp_path
     assert 2 * values * 1.125 < r3["bytes_deltas"] < 2 * values * 1.125 * 1.15
 
 
-@pytest.mark.parametrize("overlap", ["none", "eager", "topk-eager"])
+# eager covers the synchronous replay too (the same coordinator and worker replays, plus the overlap's threads);
+# the plain protocol's random kills are tests/e2e/test_kill.py's
+@pytest.mark.parametrize("overlap", ["eager", "topk-eager"])
 def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     """Coordinator replay (momentum, residual from the deltas since the checkpoint) and worker replay (rounds whose
     state snapshot was lost) give the uninterrupted run's model, bit for bit; with overlap too, where the delta, the
