@@ -223,7 +223,7 @@ def assert_best_configs_round_trip(paths: EDTPaths, tmp_path, cfg_path: str) -> 
     assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
     cfg, lineage = load_config(cfg_path, strategy="edt"), load_lineage(paths.root)
     for i, r in enumerate(r for r in lineage if r["generation"] == 1 and not r["elite"]):
-        text, info = member_config(cfg, paths.root, lineage, r["id"], "a test")
+        text, info = member_config(cfg, paths, lineage, r["id"], "a test")
         assert field(text, "sft-mutated") == "true" and info["reproduces"] == str(paths.job_dir(1, r["member"]))
         rebuilt = tmp_path / r["id"].replace("/", "-")
         if i == 0:  # the command on a merge (the final member above may be an elite: a passthrough)

@@ -17,6 +17,7 @@ from conftest import REPO, tiny_config
 from train.core.config import ConfigError, build_config
 from train.core.evolution import generation_rng, random_dna
 from train.core.tensorio import load_tensors
+from train.edt.store import EDTPaths
 from train.evomerge.breeding import EvoMergeBreeding, decode_evomerge, evomerge_genes
 from train.evomerge.mergekit_io import member_config, to_mergekit
 from train.merge.yaml_merge import run_yaml_merge
@@ -110,7 +111,7 @@ def test_best_config_rebuilds_the_merge_bit_for_bit(method, run_root, children, 
     cfg, made = children
     g, hyper = made[method]
     records = [gen0(run_root, 0), gen0(run_root, 1), child_record(hyper, tokens=960, g=g)]
-    text, info = member_config(cfg, run_root, records, f"g{g:06d}/m000", "best of a test")
+    text, info = member_config(cfg, EDTPaths(run_root), records, f"g{g:06d}/m000", "best of a test")
     mk = yaml.safe_load(text)
     assert mk["merge_method"] == method and len(mk["models"]) == 2 and info["sft"] and not info["missing"]
     assert comment(text, "reproduces") == str(run_root / f"generations/g{g:06d}/jobs/m000")
@@ -127,10 +128,10 @@ def test_copies_are_followed_to_the_merge_and_generation_0_is_a_passthrough(run_
              "fitness": 1.0, "parents": [{"id": f"g{g:06d}/m000", "path": "x"}] * 2}
     refill = {**elite, "id": f"g{g + 2:06d}/m001", "elite": False, "refilled": True, "copy_of": elite["id"]}
     records = [gen0(run_root, 0), gen0(run_root, 1), child_record(hyper, g=g), elite, refill]
-    text, info = member_config(cfg, run_root, records, refill["id"], "final")
+    text, info = member_config(cfg, EDTPaths(run_root), records, refill["id"], "final")
     assert info["origin"] == f"g{g:06d}/m000" and comment(text, "sft-mutated") == "false"
     assert f"{refill['id']} is a copy" in text and "rebuilds the member itself" in text
-    text0, info0 = member_config(cfg, run_root, records + [{**elite, "id": "g000009/m000", "parents": [
+    text0, info0 = member_config(cfg, EDTPaths(run_root), records + [{**elite, "id": "g000009/m000", "parents": [
         {"id": "g000000/m001"}] * 2}], "g000009/m000", "best of generation 9")
     assert yaml.safe_load(text0)["merge_method"] == "passthrough" and info0["origin"] == "g000000/m001"
     assert_equal(merge_yaml(text0, tmp_path, tmp_path / "out"),
@@ -142,10 +143,10 @@ def test_pruned_folders_and_count_consensus_are_said(run_root, children):
     g, hyper = made["ties"]
     rec = child_record(hyper, g=g)
     rec["parents"][1] = {"id": "g000000/m005", "path": "generations/g000000/members/m005"}
-    text, info = member_config(cfg, run_root, [gen0(run_root, 0), rec], rec["id"], "x")
+    text, info = member_config(cfg, EDTPaths(run_root), [gen0(run_root, 0), rec], rec["id"], "x")
     assert info["missing"] == [str(run_root / "generations/g000000/members/m005")] and "keep_generations" in text
     count = {**hyper, "recipe": {**hyper["recipe"], "consensus_method": "count"}}
-    text, info = member_config(cfg, run_root, [gen0(run_root, 0), child_record(count, g=g)], rec["id"], "x")
+    text, info = member_config(cfg, EDTPaths(run_root), [gen0(run_root, 0), child_record(count, g=g)], rec["id"], "x")
     assert info["reproduces"] is None and yaml.safe_load(text) is None and "no mergekit recipe" in text
 
 
@@ -158,7 +159,7 @@ def test_mergekit_yaml_rebuilds_the_merge(method, run_root, children, tmp_path):
 
     cfg, made = children
     g, hyper = made[method]
-    text, _ = member_config(cfg, run_root, [gen0(run_root, 0), gen0(run_root, 1), child_record(hyper, g=g)],
+    text, _ = member_config(cfg, EDTPaths(run_root), [gen0(run_root, 0), gen0(run_root, 1), child_record(hyper, g=g)],
                             f"g{g:06d}/m000", "x")
     (tmp_path / "best_config.yaml").write_text(text)
     run_mergekit(tmp_path / "best_config.yaml", tmp_path / "mk")

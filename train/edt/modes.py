@@ -74,15 +74,11 @@ class EvoMergeMode:
 
     def evaluated(self, coord, g: int, best_id: str) -> None:
         """generations/gXXXXXX/best_config.yaml: the recipe of the generation's fittest member as mergekit YAML."""
-        from train.evomerge.mergekit_io import write_best_config
-        write_best_config(coord.cfg, coord.paths.root, best_id, coord.paths.gen_dir(g) / "best_config.yaml",
-                          f"best of generation {g}")
+        _best_config(coord, best_id, coord.paths.gen_dir(g) / "best_config.yaml", f"best of generation {g}")
 
     def finish(self, coord, final_id: str) -> None:
-        from train.evomerge.mergekit_io import write_best_config
         coord.write_report(final_id)
-        write_best_config(coord.cfg, coord.paths.root, final_id, coord.paths.root / "best_config.yaml",
-                          "final model (final/)")
+        _best_config(coord, final_id, coord.paths.root / "best_config.yaml", "final model (final/)")
 
     def summary(self, cfg: "RunConfig") -> str:
         from train.edt.breed import population_size, steps_per_mutation
@@ -100,3 +96,10 @@ MODES = {m.name: m for m in (PretrainMode(), EvoMergeMode())}
 def mode_of(cfg: "RunConfig"):
     """The mode object of a run (edt.mode is validated by the config against MODES' names)."""
     return MODES[cfg.edt.mode]
+
+
+def _best_config(coord, mid: str, out, what: str) -> None:
+    """best_config.yaml of member `mid` (train/evomerge/mergekit_io.py), from the run's lineage."""
+    from train.edt.lineage import load_lineage
+    from train.evomerge.mergekit_io import write_best_config
+    write_best_config(coord.cfg, coord.paths, lambda: load_lineage(coord.paths.root), mid, out, what)

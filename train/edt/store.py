@@ -47,6 +47,10 @@ class EDTPaths(RunPaths):
     def job_dir(self, g: int, m: int) -> Path:
         return self.jobs_dir(g) / f"m{m:03d}"
 
+    def member_job_dir(self, mid: str) -> Path:
+        """The job folder of member id `mid` ('gGGGGGG/mMMM')."""
+        return self.job_dir(*parse_member_id(mid))
+
     def job_json(self, g: int, m: int) -> Path:
         return self.job_dir(g, m) / "job.json"
 

@@ -118,12 +118,10 @@ def origin_of(by_id: dict[str, dict], mid: str) -> tuple[dict, list[str]]:
     raise ValueError(f"{mid}: the lineage's copies form a loop")
 
 
-def member_config(cfg: RunConfig, root: Path, records: list[dict], mid: str, what: str) -> tuple[str, dict]:
-    """(best_config.yaml's text, facts: origin, reproduces, sft, seed, missing) for member `mid` of the run in
-    `root`, from its lineage `records`."""
-    from train.edt.store import EDTPaths, parse_member_id
-
-    paths = EDTPaths(root)
+def member_config(cfg: RunConfig, paths, records: list[dict], mid: str, what: str) -> tuple[str, dict]:
+    """(best_config.yaml's text, facts: origin, reproduces, sft, seed, missing) for member `mid` of the run whose
+    layout is `paths` (train/edt/store.py's EDTPaths: `root`, `member_job_dir`), from its lineage `records`."""
+    root = paths.root
     by_id = {r["id"]: r for r in records}
     rec, chain = origin_of(by_id, mid)
     oid, fitness = rec["id"], by_id[mid].get("fitness")
@@ -139,7 +137,6 @@ def member_config(cfg: RunConfig, root: Path, records: list[dict], mid: str, wha
         info["reproduces"] = src
         head.append(f"{oid} is an initial model (edt.initial_population), not a merge: passthrough of it")
     else:
-        g, m = parse_member_id(oid)
         recipe = rec["hyper"]["recipe"]
         parents = [str(root / p["path"]) for p in rec["parents"]]
         base = model_ref(cfg, cfg.evomerge.base_model) if recipe["method"] in TASK_VECTOR else None
@@ -148,7 +145,7 @@ def member_config(cfg: RunConfig, root: Path, records: list[dict], mid: str, wha
         except NotExpressible as e:
             text = _comments(head + [f"{oid} was made by {e}: no mergekit recipe."])
             return text, {**info, "reproduces": None}
-        info["reproduces"] = str(paths.job_dir(g, m))
+        info["reproduces"] = str(paths.member_job_dir(oid))
         head.append(f"{oid} = {recipe['method']} of {' x '.join(p['id'] for p in rec['parents'])} (the folders "
                     f"below)" + (" on evomerge.base_model" if base else ""))
         if recipe["method"].startswith("dare"):
@@ -188,13 +185,13 @@ def _comments(lines: list[str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_best_config(cfg: RunConfig, root: Path, mid: str, out: Path, what: str) -> dict | None:
-    """Write best_config.yaml for member `mid` (atomically). A failure is logged, never fatal to the run."""
+def write_best_config(cfg: RunConfig, paths, load_records, mid: str, out: Path, what: str) -> dict | None:
+    """Write best_config.yaml for member `mid` (atomically) of the run whose layout is `paths` (as member_config),
+    its lineage read by `load_records()`. A failure is logged, never fatal to the run."""
     from train.core.store import atomic_write_bytes
-    from train.edt.lineage import load_lineage
 
     try:
-        text, info = member_config(cfg, Path(root), load_lineage(root), mid, what)
+        text, info = member_config(cfg, paths, load_records(), mid, what)
         atomic_write_bytes(out, text.encode())
     except (KeyError, ValueError, OSError) as e:
         log.warning("best_config.yaml of %s not written (%s: %s)", mid, type(e).__name__, e)

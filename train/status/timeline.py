@@ -308,8 +308,6 @@ def _coordinator_lane(recs: dict[int, dict]) -> Lane:
 
 
 def _edt_timeline(root: Path, now: float) -> Timeline:
-    from train.edt.store import EDTPaths  # noqa: F401  (the layout's names; imported lazily: train/edt is a wing)
-
     paths = RunPaths(root)
     metrics = read_jsonl(paths.metrics)
     recs = {int(m["generation"]): m for m in metrics if "generation" in m}
