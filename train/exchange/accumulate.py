@@ -22,6 +22,32 @@ from train.exchange.codec import Codec, CodecError
 from train.exchange.protocol import RejectedDelta
 
 
+def read_checked_delta(acc, r: int, w: int, meta: dict) -> dict[str, torch.Tensor]:
+    """Worker w's delta file of round r, checked against its sidecar `meta` (size, sha256) and the codec of `acc`
+    (an Accumulator or train/exchange/sparse.py's SparseAccumulator: its paths, codec, shapes; the bytes read are
+    added to its bytes_read, a rejected file's too): its tensors, or RejectedDelta with the reason."""
+    paths, codec, shapes = acc.paths, acc.codec, acc.shapes
+    f = paths.delta_file(r, w)
+    try:
+        data = sharedfs.read_bytes(f)  # retried on a flaky mount (train/core/sharedfs.py)
+    except OSError as e:
+        raise RejectedDelta(w, f"unreadable delta file ({e})")
+    acc.bytes_read += len(data)
+    if len(data) != meta["bytes"]:
+        raise RejectedDelta(w, f"file has {len(data)} bytes, sidecar says {meta['bytes']} (truncated?)")
+    if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        raise RejectedDelta(w, "sha256 of the file differs from its sidecar (torn or corrupt)")
+    try:
+        header, fmeta = read_header(f)
+        codec.check_header(header, shapes, fmeta)
+        stored = load_safetensors(data)
+        for n, shape in shapes.items():
+            codec.check_values(n, stored, shape)
+    except (CodecError, ValueError, OSError) as e:
+        raise RejectedDelta(w, str(e))
+    return stored
+
+
 class Accumulator:
     """Σ_w a_w Δ_w over the accepted deltas of round r (a_w = tokens, or 1 without token weighting)."""
 
@@ -39,24 +65,7 @@ class Accumulator:
         """Check worker w's delta (its sidecar already passed check_sidecar) and add it; RejectedDelta otherwise.
         `late_weight`: the delta is w's late one of round r - 1, folded in with that factor on its weight."""
         late = late_weight is not None
-        f = self.paths.delta_file(self.r - 1 if late else self.r, w)
-        try:
-            data = sharedfs.read_bytes(f)  # retried on a flaky mount (train/core/sharedfs.py)
-        except OSError as e:
-            raise RejectedDelta(w, f"unreadable delta file ({e})")
-        self.bytes_read += len(data)
-        if len(data) != meta["bytes"]:
-            raise RejectedDelta(w, f"file has {len(data)} bytes, sidecar says {meta['bytes']} (truncated?)")
-        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            raise RejectedDelta(w, "sha256 of the file differs from its sidecar (torn or corrupt)")
-        try:
-            header, fmeta = read_header(f)
-            self.codec.check_header(header, self.shapes, fmeta)
-            stored = load_safetensors(data)
-            for n in self.shapes:
-                self.codec.check_values(n, stored)
-        except (CodecError, ValueError, OSError) as e:
-            raise RejectedDelta(w, str(e))
+        stored = read_checked_delta(self, self.r - 1 if late else self.r, w, meta)
         a = (float(meta["tokens"]) if self.token_weighted else 1.0) * (late_weight if late else 1.0)
         for n, shape in self.shapes.items():
             d = self.codec.decode(n, stored, shape).to(torch.float64)

@@ -143,7 +143,7 @@ class Codec:
             if info["dtype"] != _DTYPES[dtype]:
                 raise CodecError(f"{k}: dtype {info['dtype']}, expected {_DTYPES[dtype]} ({what})")
 
-    def check_values(self, name: str, stored: Mapping[str, torch.Tensor]) -> None:
+    def check_values(self, name: str, stored: Mapping[str, torch.Tensor], shape: tuple | None = None) -> None:
         """Scales must be finite and >= 0; int8 codes within [-qmax, qmax]; cast values finite."""
         if self.quantised:
             s = stored[name + SCALE]

@@ -28,20 +28,16 @@ plays its part (SparseLoCo). bench/compression.py measures why this beats a coor
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 import torch
-from safetensors.torch import load as load_safetensors
 
-from train.core import sharedfs
 from train.core.store import RunPaths
-from train.core.tensorio import read_header
+from train.exchange.accumulate import read_checked_delta
 from train.exchange.codec import CodecError
-from train.exchange.protocol import RejectedDelta
 
 IDX, VAL, SCALE = "::idx", "::val", "::scale"
 VALUE_CODECS = {"2bit": 2, "int4": 4, "int8": 8}
@@ -255,24 +251,7 @@ class SparseAccumulator:
 
     def add(self, w: int, meta: dict, late_weight: float | None = None) -> None:
         late = late_weight is not None
-        f = self.paths.delta_file(self.r - 1 if late else self.r, w)
-        try:
-            data = sharedfs.read_bytes(f)
-        except OSError as e:
-            raise RejectedDelta(w, f"unreadable delta file ({e})")
-        self.bytes_read += len(data)
-        if len(data) != meta["bytes"]:
-            raise RejectedDelta(w, f"file has {len(data)} bytes, sidecar says {meta['bytes']} (truncated?)")
-        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            raise RejectedDelta(w, "sha256 of the file differs from its sidecar (torn or corrupt)")
-        try:
-            header, fmeta = read_header(f)
-            self.codec.check_header(header, self.shapes, fmeta)
-            stored = load_safetensors(data)
-            for n, shape in self.shapes.items():
-                self.codec.check_values(n, stored, shape)
-        except (CodecError, ValueError, OSError) as e:
-            raise RejectedDelta(w, str(e))
+        stored = read_checked_delta(self, self.r - 1 if late else self.r, w, meta)
         a = (float(meta["tokens"]) if self.token_weighted else 1.0) * (late_weight if late else 1.0)
         self.stored[(int(late), w)] = (a, stored)
         self._sums = None
