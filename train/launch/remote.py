@@ -301,34 +301,55 @@ def cmd_stop(a, paths: RunPaths) -> int:
     return answer({"stopped": out})
 
 
-def cmd_logs(a, paths: RunPaths) -> int:
-    files = {r: log_path(paths, r) for r in a.role}
-    pos = {}
-    for role, f in files.items():
-        for ln in tail(f, a.lines):
-            print(f"{role}\t{ln}")
-        pos[role] = f.stat().st_size if f.is_file() else 0
-    sys.stdout.flush()
-    if not a.follow:
-        return 0
-    end = time.monotonic() + a.for_s if a.for_s else None
-    buf = {r: b"" for r in files}
-    while end is None or time.monotonic() < end:
-        for role, f in files.items():
+class LogFollower:
+    """The log files of several processes, by role: their last lines, then each new complete line as it is written
+    (a file truncated or replaced is read again from its start). Used here on each machine and by the Slurm
+    backend's `logs -f` (train/launch/slurm_ops.py)."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self.pos = {r: 0 for r in files}
+        self.buf = {r: b"" for r in files}
+
+    def last(self, n: int) -> list[tuple[str, str]]:
+        """(role, line) for the last n lines of each file; following starts after them."""
+        out = []
+        for role, f in self.files.items():
+            out += [(role, ln) for ln in tail(f, n)]
+            self.pos[role] = f.stat().st_size if f.is_file() else 0
+        return out
+
+    def new_lines(self) -> list[tuple[str, str]]:
+        """(role, line) for each complete line written since the last call."""
+        out = []
+        for role, f in self.files.items():
             try:
                 size = f.stat().st_size
             except OSError:
                 continue
-            if size < pos[role]:
-                pos[role] = 0  # truncated / replaced
-            if size > pos[role]:
+            if size < self.pos[role]:
+                self.pos[role] = 0  # truncated / replaced
+            if size > self.pos[role]:
                 with open(f, "rb") as fh:
-                    fh.seek(pos[role])
-                    data = buf[role] + fh.read(size - pos[role])
-                pos[role] = size
-                *lines, buf[role] = data.split(b"\n")
-                for ln in lines:
-                    print(f"{role}\t{ln.decode(errors='replace')}")
+                    fh.seek(self.pos[role])
+                    data = self.buf[role] + fh.read(size - self.pos[role])
+                self.pos[role] = size
+                *lines, self.buf[role] = data.split(b"\n")
+                out += [(role, ln.decode(errors="replace")) for ln in lines]
+        return out
+
+
+def cmd_logs(a, paths: RunPaths) -> int:
+    follower = LogFollower({r: log_path(paths, r) for r in a.role})
+    for role, ln in follower.last(a.lines):
+        print(f"{role}\t{ln}")
+    sys.stdout.flush()
+    if not a.follow:
+        return 0
+    end = time.monotonic() + a.for_s if a.for_s else None
+    while end is None or time.monotonic() < end:
+        for role, ln in follower.new_lines():
+            print(f"{role}\t{ln}")
         sys.stdout.flush()
         ready, _, _ = select.select([sys.stdin], [], [], 0.5)
         if ready and not os.read(sys.stdin.fileno(), 4096):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from train.core.config import ConfigError
 from train.core.store import atomic_write_json
-from train.launch.remote import progress_of, tail
+from train.launch.remote import LogFollower, progress_of, tail
 from train.launch.slurm import LIVE_STATES, RECORD, SlurmLauncher, job_state, job_steps, run_slurm
 
 
@@ -86,27 +86,14 @@ def logs(ln: SlurmLauncher, only: str | None = None, lines: int = 20, follow: bo
         if only not in files:
             raise ConfigError(f"--host {only}: not a process of job {rec['job_id']} (one of: {', '.join(files)})")
         files = {only: files[only]}
-    pos = {}
-    for role, f in files.items():
-        for text in tail(f, lines):
-            ln.say(f"[{role}] {text}")
-        pos[role] = f.stat().st_size if f.is_file() else 0
+    follower = LogFollower(files)
+    for role, text in follower.last(lines):
+        ln.say(f"[{role}] {text}")
     end = time.monotonic() + for_s if for_s else None
-    buf = {r: b"" for r in files}
     try:
         while follow and (end is None or time.monotonic() < end):
-            for role, f in files.items():
-                size = f.stat().st_size if f.is_file() else 0
-                if size < pos[role]:
-                    pos[role] = 0  # truncated / replaced
-                if size > pos[role]:
-                    with open(f, "rb") as fh:
-                        fh.seek(pos[role])
-                        data = buf[role] + fh.read(size - pos[role])
-                    pos[role] = size
-                    *done, buf[role] = data.split(b"\n")
-                    for text in done:
-                        ln.say(f"[{role}] {text.decode(errors='replace')}")
+            for role, text in follower.new_lines():
+                ln.say(f"[{role}] {text}")
             time.sleep(0.3)
     except KeyboardInterrupt:
         pass
