@@ -6,6 +6,7 @@ of the whole simulator at random moments, host-local worker state, and what the 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 
@@ -34,6 +35,26 @@ def _write(tmp_path, name, **outer):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return path, RunPaths(tmp_path / "runs" / name)
+
+
+def _kill_worker_in_round(sim: subprocess.Popen, paths: RunPaths, w: int, r: int) -> str:
+    """SIGKILL worker w once it is in round r (training or waiting for a fold: its heartbeat lease is written once a
+    second and a short segment takes about that long, so a "training" snapshot may never be seen); the simulator's
+    output once it ends."""
+    def in_round(w):
+        try:
+            p = read_json(paths.progress(w))
+        except (OSError, ValueError):
+            return False
+        return p.get("round", -1) >= r and p.get("status") != "done"
+    try:
+        wait_until(lambda: in_round(w), 300, f"worker {w} in round {r}", sim)
+        os.kill(read_json(paths.progress(w))["pid"], signal.SIGKILL)
+        out, _ = sim.communicate(timeout=400)
+    finally:
+        if sim.poll() is None:
+            sim.kill()
+    return out
 
 
 def test_int8_run_keeps_one_theta_checkpoints_load_and_host_local_state(tmp_path):
@@ -178,24 +199,11 @@ def test_int8_delayed_overlap_with_a_worker_killed_and_restarted_completes(tmp_p
     """The composed run (docs/overlap.md, docs/elastic.md): int8 both ways + the one-round-delayed outer step; a
     worker is SIGKILLed mid-run, the simulator restarts it, it resumes from its own state and the run finishes
     without a rerun; every copy of θ stayed identical (workers check the checksum every round)."""
-    import os
 
     cfg, paths = _write(tmp_path, "composed", rounds=6, local_steps=40, overlap="delayed", dead_after_s=600.0)
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", str(cfg)), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    try:
-        def in_round_2(w):  # training or waiting for a fold: its heartbeat lease is written once a second, and a
-            try:            # 40-step segment takes about that long, so a "training" snapshot may never be seen
-                p = read_json(paths.progress(w))
-            except (OSError, ValueError):
-                return False
-            return p.get("round", -1) >= 2 and p.get("status") != "done"
-        wait_until(lambda: in_round_2(1), 300, "worker 1 in round 2", sim)
-        os.kill(read_json(paths.progress(1))["pid"], signal.SIGKILL)
-        out, _ = sim.communicate(timeout=400)
-    finally:
-        if sim.poll() is None:
-            sim.kill()
+    out = _kill_worker_in_round(sim, paths, 1, 2)
     assert sim.returncode == 0, out
     assert "restart 1/" in paths.worker_log(1).read_text(), out  # the supervisor's line, in the worker's log
     from transformers import AutoModelForCausalLM
@@ -245,25 +253,12 @@ def test_topk_delayed_overlap_with_a_worker_killed_and_restarted_completes(tmp_p
     sums itself + the one-round-delayed outer step; a worker is SIGKILLed mid-run, the simulator restarts it, it
     resumes (replaying what its snapshot missed, with the same sha256) and the run finishes; every copy of θ stayed
     identical (each worker checks theta_sha256 every round, the coordinator's checkpoint is rebuilt from files)."""
-    import os
 
     cfg, paths = _write(tmp_path, "topk", compression="topk", density=0.05, chunk_size=256, rounds=4,
                         local_steps=8, checkpoint_every=2, overlap="delayed", dead_after_s=600.0, keep_rounds=2)
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", str(cfg)), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    try:
-        def in_round_1(w):
-            try:
-                p = read_json(paths.progress(w))
-            except (OSError, ValueError):
-                return False
-            return p.get("round", -1) >= 1 and p.get("status") != "done"
-        wait_until(lambda: in_round_1(1), 300, "worker 1 in round 1", sim)
-        os.kill(read_json(paths.progress(1))["pid"], signal.SIGKILL)
-        out, _ = sim.communicate(timeout=400)
-    finally:
-        if sim.poll() is None:
-            sim.kill()
+    out = _kill_worker_in_round(sim, paths, 1, 1)
     assert sim.returncode == 0, out
     log1 = paths.worker_log(1).read_text()
     assert "restart 1/" in log1 and "resumed worker state" in log1, out
