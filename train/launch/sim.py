@@ -30,10 +30,10 @@ def sim_main(strategy: str, doc: str) -> int:
     rec, paths = run_local(strat, cfg, cfg.source if cfg.source != "<defaults>" else args.config, overrides,
                            args.threads, args.max_restarts)
     if strategy == "edt":
-        log.info("done: best eval loss %s in generation %s; final model: %s; plots: %s, %s",
+        log.info("done: best eval loss %s in generation %s; final model: %s; plots: %s, %s, %s",
                  rec.get("best_eval_loss"), rec.get("generation"), paths.final, paths.root / "lineage.png",
-                 paths.root / "fitness.png")
+                 paths.root / "fitness.png", paths.root / "timeline.png")
     else:
-        log.info("done: eval loss %s after %s rounds; final model: %s; plot: %s", rec.get("eval_loss"),
-                 rec.get("round"), paths.final, paths.plot)
+        log.info("done: eval loss %s after %s rounds; final model: %s; plots: %s, %s", rec.get("eval_loss"),
+                 rec.get("round"), paths.final, paths.plot, paths.root / "timeline.png")
     return 0
