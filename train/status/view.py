@@ -158,7 +158,8 @@ def gather(root: str | Path, now: float | None = None, live: Liveness | None = N
     # the last rounds
     rows = []
     quorum = max(int(outer.get("min_workers") or 1), math.ceil(max(n, 1) / 2))
-    for k in sorted(recs)[-RECENT:]:
+    # (DiLoCo's round 0 is the initial model: nothing was exchanged, nothing to show)
+    for k in [k for k in sorted(recs) if k > 0 or strategy != "diloco"][-RECENT:]:
         rec = recs[k]
         prev = recs.get(k - 1)
         row = {key: k, "seconds": round(float(rec["time"]) - float(prev["time"]), 2) if prev and "time" in rec and
