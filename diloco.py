@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from train.diloco.optimizer import DiLoCoOptimizer, load_global  # noqa: F401  (public API)
-from train.core.outer import average_deltas, diloco_round, outer_step, outer_step_tensor  # noqa: F401  (public API)
+from train.exchange.outer import average_deltas, diloco_round, outer_step, outer_step_tensor  # noqa: F401  (public API)
 from train.core.store import RunPaths, read_jsonl
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train.core.evolution import (GENES, crossover_dna, decode, fitness_function, mutate_dna, rank_order,  # noqa: F401
+from train.edt.genes import (GENES, crossover_dna, decode, fitness_function, mutate_dna, rank_order,  # noqa: F401
                                  rank_weights, select_pairs, tournament)
 from train.edt.lineage import load_lineage, load_population, plot_fitness, plot_lineage  # noqa: F401
 from train.merge.crossover import (curve_value, interpolate, lerp, merge_files, outer_sgd_crossover,  # noqa: F401

@@ -20,7 +20,7 @@ COMMANDS = ("launch", "status", "logs", "stop", "preflight")
 
 def build_parser() -> argparse.ArgumentParser:
     from train.launch.cli import add_config_args
-    from train.core.strategies import STRATEGIES
+    from train.config.strategies import STRATEGIES
     from train.launch.slurm import add_slurm_args
 
     common = argparse.ArgumentParser(add_help=False)

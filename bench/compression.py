@@ -202,7 +202,7 @@ def bytes_table(args) -> tuple[list, dict]:
 def block_errors(steps: int = 25, rounds: int = 3) -> tuple[list, dict]:
     """Relative L2 error ||Δ − decode(encode(Δ))|| / ||Δ|| of real pseudo-gradients (bench-llama, `rounds` x
     `steps` AdamW steps on the shipped corpus) for int8 / int4 against the block size ('tensor': one scale each)."""
-    from train.core.config import build_config
+    from train.config import build_config
     from train.core.data import ShardSampler, TokenData, prepare_data
     from train.core.inner import InnerTrainer
     from train.core.model import build_model, load_tokenizer

@@ -105,7 +105,7 @@ def main() -> None:
     if args.torchrun:
         return group_bench(args)
 
-    from train.core.config import build_config
+    from train.config import build_config
     from train.core.data import ShardSampler, TokenData, prepare_data
     from train.core.heartbeat import Heartbeat
     from train.core.inner import InnerTrainer, autocast_for, resolve_compile
@@ -191,7 +191,7 @@ def group_bench(args) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from train.core.config import build_config
+    from train.config import build_config
     from train.core.data import ShardSampler, TokenData, prepare_data
     from train.core.dist import RankBatches, broadcast_json, close_group, init_group
     from train.core.inner import InnerTrainer

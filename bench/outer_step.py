@@ -31,16 +31,17 @@ import torch
 def setup_round(root: Path, n: int, small: bool, codec: str):
     """A BASE_DIR at round 0 and n deltas of round 0 published the way workers publish them."""
     from transformers import AutoModelForCausalLM
-    from train.core.config import build_config
+    from train.config import build_config
     from train.core.model import save_model_dir
-    from train.core.store import RunPaths, atomic_write_json
+    from train.core.store import atomic_write_json
+    from train.diloco.store import DiLoCoPaths
     from train.exchange.codec import get_codec
     from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
     from train.exchange.theta import file_order
 
     cfg = build_config({"base_dir": str(root), "project_name": "bench",
                         "outer": {"num_workers": n, "compression": codec, "momentum": 0.9, "lr": 0.7}})
-    paths = RunPaths(cfg.run_dir)
+    paths = DiLoCoPaths(cfg.run_dir)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(smollm_config(small), dtype=torch.float32)
     save_model_dir(model, paths.global_dir(0))

@@ -5,7 +5,7 @@ windows as `diloco_sim.py` at bench/quality.py's setting, one InnerTrainer per w
 rounds, the data layout's disjoint slices (worker w of round r reads stream windows [(r·N + w)·H·B, +H·B), what
 Layout.single gives), and the exchange's own code: train/exchange/sparse.py's codec and Residual (error feedback with
 β) on the way out, its fixed-order sum and sparse_step (θ − α · mean) on the way back; fp32 DiLoCo through
-train/core/outer.py's outer_step_tensor. What it leaves out is the file protocol (no bytes, no processes): the
+train/exchange/outer.py's outer_step_tensor. What it leaves out is the file protocol (no bytes, no processes): the
 process runs that confirm two points are in bench/compression.py's quality().
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from common import REPO
 
 
 def _setup(seed: int, steps: int, batch: int, seq: int, lr: float):
-    from train.core.config import load_config
+    from train.config import load_config
     from train.core.data import TokenData, prepare_data
     from train.core.model import build_model, check_model_fits, load_tokenizer
 
@@ -45,7 +45,7 @@ def simulate(*, workers: int = 4, steps: int = 300, H: int = 25, batch: int = 16
     selections relative to one worker's, n = 1..workers (what a coordinator update would have to carry)."""
     from train.core.data import StreamSampler
     from train.core.inner import InnerTrainer, evaluate
-    from train.core.outer import outer_step_tensor
+    from train.exchange.outer import outer_step_tensor
     from train.exchange.codec import Residual
     from train.exchange.sparse import SparseCodec, sparse_step
 

@@ -1,4 +1,4 @@
-"""Regenerate the configuration reference in docs/config.md from train/core/config.py (tests/test_docs.py checks it)."""
+"""Regenerate the configuration reference in docs/config.md from train/config (tests/unit/test_docs.py checks it)."""
 from __future__ import annotations
 
 import re
@@ -12,7 +12,7 @@ TARGET = REPO / "docs" / "config.md"  # the page that holds the generated table,
 
 
 def render(page: str) -> str:
-    from train.core.config import reference_markdown
+    from train.config import reference_markdown
 
     block = f"{START}\n{reference_markdown()}\n{END}"
     return re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, page, flags=re.S)

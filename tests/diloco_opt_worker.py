@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train.core.config import load_config  # noqa: E402
+from train.config import load_config  # noqa: E402
 from train.core.data import StreamSampler, TokenData, find_data  # noqa: E402
 from train.exchange.layout import Layout  # noqa: E402
 from train.diloco.optimizer import DiLoCoOptimizer  # noqa: E402

@@ -15,8 +15,9 @@ import torch
 
 from conftest import REPO, tiny_config
 from helpers_proc import kill_sim_at_random_moments, run_script, script_cmd, wait_until
-from train.core.config import build_config
-from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, verify_manifest
+from train.config import build_config
+from train.core.store import atomic_write_json, read_json, read_jsonl, verify_manifest
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import load_tensors
 from train.diloco.coordinator import Coordinator
 from train.core.errors import ProtocolError
@@ -34,10 +35,10 @@ def _write(tmp_path, name, **outer):
     cfg = tiny_config(tmp_path / "runs", outer={**OUTER, **outer}, project_name=name)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    return path, RunPaths(tmp_path / "runs" / name)
+    return path, DiLoCoPaths(tmp_path / "runs" / name)
 
 
-def _kill_worker_in_round(sim: subprocess.Popen, paths: RunPaths, w: int, r: int) -> str:
+def _kill_worker_in_round(sim: subprocess.Popen, paths: DiLoCoPaths, w: int, r: int) -> str:
     """SIGKILL worker w once it is in round r (training or waiting for a fold: its heartbeat lease is written once a
     second and a short segment takes about that long, so a "training" snapshot may never be seen); the simulator's
     output once it ends."""

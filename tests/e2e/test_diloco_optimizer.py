@@ -12,8 +12,9 @@ import torch
 from conftest import REPO, tiny_config
 from helpers_proc import script_cmd
 from train.diloco.optimizer import DiLoCoOptimizer, load_global
-from train.core.outer import outer_step
-from train.core.store import ProtocolError, RunPaths, read_jsonl, verify_manifest
+from train.exchange.outer import outer_step
+from train.core.store import ProtocolError, read_jsonl, verify_manifest
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import load_tensors
 
 
@@ -46,7 +47,7 @@ def _train(model, opt, steps: int, start: int = 0, scaler=None) -> None:
 
 
 def test_outer_step_is_the_coordinators_nesterov_sgd(tmp_path):
-    """Two rounds (the momentum comes back from outer_state.safetensors) against train/core/outer.py on the same Δ."""
+    """Two rounds (the momentum comes back from outer_state.safetensors) against train/exchange/outer.py, same Δ."""
     model = _model()
     opt = _opt(model, tmp_path, num_inner_steps=1000)  # we end the rounds ourselves to see θ_w
     paths = opt.paths
@@ -88,7 +89,7 @@ def test_one_worker_lr1_no_momentum_is_the_workers_model_and_the_scaler_path(tmp
     for n, p in scaled.named_parameters():
         torch.testing.assert_close(glob[n], before[n], rtol=0, atol=1e-7)  # θ_0 − (θ_0 − θ_w): rounding only
         assert torch.equal(glob[n], plain_glob[n]) and torch.equal(p.detach(), glob[n]), n
-    assert load_tensors(RunPaths(tmp_path / "b" / "r").outer_state(1)) == {}  # SGD without momentum: no state
+    assert load_tensors(DiLoCoPaths(tmp_path / "b" / "r").outer_state(1)) == {}  # SGD without momentum: no state
 
 
 def test_resume_continues_the_run_with_persisted_outer_state(tmp_path):
@@ -109,7 +110,7 @@ def test_resume_continues_the_run_with_persisted_outer_state(tmp_path):
     _train(b2, ob2, 3, start=3)
     ga, gb = load_global(tmp_path / "a", "r")[1], load_global(tmp_path / "b", "r")[1]
     assert ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
-    state = load_tensors(RunPaths(tmp_path / "b" / "r").outer_state(2))
+    state = load_tensors(DiLoCoPaths(tmp_path / "b" / "r").outer_state(2))
     assert {k.split("::")[1] for k in state} == {"exp_avg", "exp_avg_sq", "step"}
     assert float(state["0.weight::step"]) == 2.0
 
@@ -179,7 +180,7 @@ def test_two_worker_processes_match_the_coordinator_run(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
-    ref_paths, opt_paths = RunPaths(tmp_path / "runs" / "t"), RunPaths(tmp_path / "opt" / "t")
+    ref_paths, opt_paths = DiLoCoPaths(tmp_path / "runs" / "t"), DiLoCoPaths(tmp_path / "opt" / "t")
     assert opt_paths.committed_rounds() == ref_paths.committed_rounds() == [0, 2, 3]  # keep_rounds = 2, θ_0 kept
     for r in (0, 2, 3):
         a = load_tensors(ref_paths.global_dir(r) / "model.safetensors")
@@ -211,4 +212,4 @@ def test_example_notebook_runs(tmp_path, monkeypatch):
                             resources={"metadata": {"path": str(REPO / "examples")}}).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "worker 1: round 2 committed" in text and "held-out loss" in text
-    assert RunPaths(tmp_path / "diloco-example").committed_rounds() == [0, 1, 2]
+    assert DiLoCoPaths(tmp_path / "diloco-example").committed_rounds() == [0, 1, 2]

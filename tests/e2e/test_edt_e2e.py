@@ -143,7 +143,7 @@ def test_three_workers_two_generations_complete(tmp_path):
         assert "the run is complete" in paths.worker_log(w).read_text()
     # A coordinator that died while writing generation 1 rebuilds exactly the same jobs when rerun. Bit for bit: this
     # process and edt_sim.py's coordinator run the merges with the same thread count (conftest.py pins both).
-    from train.core.config import load_config
+    from train.config import load_config
     from train.edt.coordinator import EDTCoordinator
 
     pin_threads()

@@ -14,8 +14,9 @@ import pytest
 
 from conftest import REPO
 from helpers_proc import kill_all, script_cmd, start_script, wait_until, progress_of
-from train.core.config import build_config
-from train.core.store import RunPaths, read_json, read_jsonl, verify_manifest
+from train.config import build_config
+from train.core.store import read_json, read_jsonl, verify_manifest
+from train.diloco.store import DiLoCoPaths
 from train.launch.procs import Restarts
 
 
@@ -121,7 +122,7 @@ def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes
 
     H, R = 100, 3
     cfg = write_config(outer={"num_workers": 3, "rounds": R, "local_steps": H})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
@@ -154,7 +155,7 @@ def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path, write_confi
     from train.exchange.membership import Membership
 
     cfg = write_config(outer={"rounds": 40, "local_steps": 200})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
@@ -250,7 +251,7 @@ def test_round_closes_without_a_frozen_worker_within_dead_after_s(tmp_path, writ
     dead_after, H, R = 4.0, 60, 4
     cfg = write_config(outer={"num_workers": 3, "rounds": R, "local_steps": H, "dead_after_s": dead_after,
                                    "straggler_factor": 0, "round_timeout_s": 600})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     logs = tmp_path / "logs"
     logs.mkdir()
     coord = start_script([str(REPO / "diloco.py"), "--config", cfg], logs / "coord.log")
@@ -283,7 +284,7 @@ def test_round_closes_without_a_frozen_worker_within_dead_after_s(tmp_path, writ
 
 
 # -- join and leave: the data layout ---------------------------------------------------------------------------------
-def _stream_windows(paths: RunPaths) -> list[int]:
+def _stream_windows(paths: DiLoCoPaths) -> list[int]:
     """Every stream window a committed delta was trained on (metrics: the slice each used delta read)."""
     out = []
     for rec in read_jsonl(paths.metrics):
@@ -298,7 +299,7 @@ def test_resume_with_more_then_fewer_workers_reads_no_window_twice(tmp_path, wri
     stream at the first round nobody started, every used delta's slice is disjoint from every other and the tokens
     add up."""
     cfg = write_config(outer={"rounds": 2})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     for n, rounds in ((2, 2), (3, 4), (1, 6)):
         out = subprocess.run(script_cmd("diloco_sim.py", "--config", cfg, "--workers", str(n), "--rounds",
                                         str(rounds)), capture_output=True, text=True, cwd=REPO, timeout=300)
@@ -324,7 +325,7 @@ def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path, wri
     """A 2-worker run; a third worker process started by hand after round 1 asks to join (lease status "joining"),
     the coordinator gives it a slot at the next round boundary, and from then on every round uses its delta."""
     cfg = write_config(outer={"rounds": 14, "local_steps": 40})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     joiner = None
@@ -361,7 +362,7 @@ def test_a_late_delta_is_folded_into_the_next_round_with_its_staleness_weight(tm
     H = 400  # a few seconds of steps: worker 1 is frozen while it trains round 1, before it can publish it
     cfg = write_config(outer={"rounds": 3, "local_steps": H, "late_weight": 0.5, "dead_after_s": 3,
                                    "compression": "int8", "straggler_factor": 0})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:

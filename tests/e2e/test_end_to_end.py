@@ -9,7 +9,8 @@ import torch
 
 from conftest import REPO
 from helpers_proc import run_script, start_script
-from train.core.store import RunPaths, read_jsonl, verify_manifest
+from train.core.store import read_jsonl, verify_manifest
+from train.diloco.store import DiLoCoPaths
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ def finished_run(tmp_path_factory):
                                       logging={"plot": True})))
     out = run_script("diloco_sim.py", "--config", str(cfg))
     assert out.returncode == 0, out.stdout + out.stderr
-    return cfg, RunPaths(tmp / "runs" / "t"), out
+    return cfg, DiLoCoPaths(tmp / "runs" / "t"), out
 
 
 def test_two_workers_three_rounds_learn(finished_run):
@@ -85,7 +86,7 @@ def test_cluster_layout_gives_the_same_model_as_the_simulator(finished_run, tmp_
     raw["base_dir"] = str(tmp_path / "runs")
     cfg2 = tmp_path / "evolution.json"
     cfg2.write_text(json.dumps(raw))
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     paths.logs.mkdir(parents=True)
     procs = [start_script([str(REPO / "diloco.py"), "--config", str(cfg2), "--no-progress"],
                           paths.logs / "coordinator.log")]

@@ -11,9 +11,9 @@ import torch
 
 from conftest import REPO, tiny_config
 from helpers_proc import kill_all, run_script, start_script, wait_until
-from train.core.config import ConfigError, build_config
+from train.config import ConfigError, build_config
 from train.edt.store import EDTPaths
-from train.core.evolution import crossover_dna, generation_rng, mutate_dna, random_dna
+from train.edt.genes import crossover_dna, generation_rng, mutate_dna, random_dna
 from train.evomerge.breeding import decode_evomerge, evomerge_genes
 from train.merge.methods import Recipe
 from train.core.store import read_json, read_jsonl, verify_manifest
@@ -197,7 +197,7 @@ def assert_best_configs_round_trip(paths: EDTPaths, tmp_path, cfg_path: str) -> 
     an elite carries); so does the YAML of every merged child of generation 1."""
     import yaml
 
-    from train.core.config import load_config
+    from train.config import load_config
     from train.core.tensorio import load_tensors
     from train.evomerge.mergekit_io import member_config
     from train.edt.lineage import load_lineage

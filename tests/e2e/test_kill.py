@@ -11,15 +11,16 @@ import torch
 from conftest import REPO, tiny_config
 from helpers_proc import (kill_sim_at_random_moments, progress_of, run_script, script_cmd, wait_until,
                           wait_until_workers_gone)
-from train.core.config import build_config
+from train.config import build_config
 from train.diloco.coordinator import Coordinator
-from train.core.store import RunPaths, read_json, read_jsonl, verify_manifest
+from train.core.store import read_json, read_jsonl, verify_manifest
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import load_tensors, save_streaming
 
 pytestmark = pytest.mark.slow
 
 
-def _check_finished(paths: RunPaths, rounds: int, workers: int, H: int, batch: int, seq: int) -> None:
+def _check_finished(paths: DiLoCoPaths, rounds: int, workers: int, H: int, batch: int, seq: int) -> None:
     from transformers import AutoModelForCausalLM
     assert paths.latest_committed() == rounds
     for r in paths.committed_rounds():
@@ -32,7 +33,7 @@ def _check_finished(paths: RunPaths, rounds: int, workers: int, H: int, batch: i
 
 def test_sigkill_worker_mid_round_then_rerun_finishes(write_config, tmp_path):
     cfg = write_config(outer={"rounds": 3, "local_steps": 400})  # rounds of a few seconds: room to aim
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     cmd = script_cmd("diloco_sim.py", "--config", str(cfg), "--max-restarts", "0")  # no restart: a rerun resumes
     sim = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
@@ -57,7 +58,7 @@ def test_sigkill_worker_mid_round_then_rerun_finishes(write_config, tmp_path):
 def test_sigkill_simulator_at_random_moments_then_rerun_finishes(write_config, tmp_path):
     """The simulator hosts the coordinator: kill it (workers die with it) at random points, several times."""
     cfg = write_config(outer={"rounds": 6, "local_steps": 4, "keep_rounds": 1})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     kills = kill_sim_at_random_moments(script_cmd("diloco_sim.py", "--config", str(cfg)), paths, 6, seed=0,
                                        tries=3, max_pause=1.5)
     assert kills >= 1
@@ -176,7 +177,7 @@ def test_restart_between_resume_point_and_publication_publishes_first_with_overl
     random-kill stress run for the moved case)."""
     cfg = write_config(outer={"rounds": 3, "local_steps": 40, "overlap": "delayed", "round_timeout_s": 120.0,
                               "straggler_factor": 0.0, "dead_after_s": 600.0})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", str(cfg)), stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
     try:  # hold the coordinator once θ_1 is committed: round 1's deltas arrive, round 2 cannot be committed

@@ -22,12 +22,12 @@ import pytest
 from conftest import REPO, tiny_config
 from helpers_proc import wait_until
 from sshd_fixture import HOSTS, free_port, new_key, skip_reason, start_sshd
-from train.core.config import ConfigError
+from train.config import ConfigError
 from train.launch.machines import load_machines
 from train.launch.launcher import Launcher, shell_line
 from train.launch.remote import group_members, records, state_of
 from train.launch.ssh import HostKeyError, SSHError, SSHOptions, connect
-from train.core.store import RunPaths
+from train.diloco.store import DiLoCoPaths
 
 ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -53,7 +53,7 @@ def test_plan_worker_i_on_machine_i_round_robin_over_gpus(tmp_path):
     assert procs[1].argv[1:3] == ["-m", "train.diloco.worker"] and procs[1].argv[-4:] == ["--worker", "0", "--set",
                                                                                      "inner.threads=1"]
     edt = ln.plan("edt")
-    assert edt[0].argv[1:3] == ["-m", "edt"]  # the coordinator runs as a module (train/core/strategies.py)
+    assert edt[0].argv[1:3] == ["-m", "edt"]  # the coordinator runs as a module (train/config/strategies.py)
     assert edt[1].argv[2] == "train.edt.worker"
     with pytest.raises(ConfigError, match="strategy .nope. is not one of diloco, edt"):
         ln.plan("nope")
@@ -219,7 +219,7 @@ class Cluster:
 
 def kill_leftovers(run_dir: Path) -> None:
     """Safety net for failing tests: SIGKILL every recorded process group still alive (they run on this host)."""
-    for rec in records(RunPaths(run_dir)).values():
+    for rec in records(DiLoCoPaths(run_dir)).values():
         if state_of(rec) == "running":
             os.killpg(rec["pgid"], signal.SIGKILL)
 
@@ -234,7 +234,7 @@ def _machines(sshd, **extra) -> list[dict]:
 def test_launch_status_logs_stop_resume_over_ssh(sshd, tmp_path):
     c = Cluster(sshd, tmp_path, _machines(sshd), tiny_config(tmp_path / "runs", outer={"rounds": 500,
                                                                                           "local_steps": 3}))
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     try:
         out = c.cli("launch", "--set", "inner.threads=1")
         assert out.returncode == 0 and out.stdout.count("started, pid") == 3, out.stdout + out.stderr
@@ -293,7 +293,7 @@ def test_a_host_that_fails_to_start_stops_the_others(sshd, tmp_path):
     ms = _machines(sshd)
     ms[1]["python"] = "/nonexistent/python3"
     c = Cluster(sshd, tmp_path, ms, tiny_config(tmp_path / "runs", outer={"rounds": 500}))
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     try:
         out = c.cli("launch", "--check-seconds", "0.5", "--keep-on-failure")
         assert out.returncode == 1 and "m2" in out.stdout and "FAILED" in out.stdout
@@ -317,7 +317,7 @@ def test_a_host_that_fails_to_start_stops_the_others(sshd, tmp_path):
                     reason="the EDT strategy (edt.py, train/edt/worker.py) is not in this checkout")
 def test_edt_run_over_ssh(sshd, tmp_path):
     c = Cluster(sshd, tmp_path, _machines(sshd), tiny_config(tmp_path / "runs", edt={"max_generations": 2}))
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     try:
         out = c.cli("launch", "--strategy", "edt")
         assert out.returncode == 0 and out.stdout.count("started, pid") == 3, out.stdout + out.stderr
@@ -425,7 +425,7 @@ def test_hostile_values_in_machines_and_config_run_nothing(sshd, tmp_path):
     project = "p " + evil.replace("/", "_")
     c = Cluster(sshd, tmp_path, ms, tiny_config(tmp_path / ("base " + evil.replace("/", "_")),
                                                 project_name=project, outer={"rounds": 500, "local_steps": 2}))
-    paths = RunPaths(tmp_path / ("base " + evil.replace("/", "_")) / project)
+    paths = DiLoCoPaths(tmp_path / ("base " + evil.replace("/", "_")) / project)
     try:
         pre = c.cli("preflight", "--set", f"data.text_field={evil}")
         assert pre.returncode == 0 and "shared (sees the token" in pre.stdout, pre.stdout

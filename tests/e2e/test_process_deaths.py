@@ -16,7 +16,8 @@ from conftest import REPO, tiny_config
 from helpers_proc import script_cmd, wait_until
 from train.core.coordinator_lease import CoordinatorLease, CoordinatorWatch, coordinator_lease_path
 from train.core.heartbeat import pid_alive
-from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, verify_manifest
+from train.core.store import atomic_write_json, read_json, read_jsonl, verify_manifest
+from train.diloco.store import DiLoCoPaths
 
 
 def _read(path) -> dict:
@@ -186,7 +187,7 @@ def _config(tmp_path, **outer) -> str:
     return str(path)
 
 
-def _check_finished(paths: RunPaths, rounds: int, H: int) -> list[dict]:
+def _check_finished(paths: DiLoCoPaths, rounds: int, H: int) -> list[dict]:
     """Committed, the final model verified, every round's record once, tokens = the deltas used (none twice)."""
     assert paths.latest_committed() == rounds
     for r in paths.committed_rounds():
@@ -220,7 +221,7 @@ def test_sigkill_the_coordinator_the_workers_say_so_and_the_run_finishes(tmp_pat
     every round committed and logged once."""
     H, R = 150, 3
     cfg = _config(tmp_path, rounds=R, local_steps=H)
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     lease = coordinator_lease_path(paths.root)
 
     def ready() -> bool:
@@ -254,7 +255,7 @@ def test_sigkill_a_supervisor_the_simulator_restarts_it_and_the_run_finishes(tmp
     finishes without a rerun."""
     H, R = 150, 3
     cfg = _config(tmp_path, rounds=R, local_steps=H)
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
 
     def ready() -> bool:
         rec = _read(paths.progress(1))
@@ -294,7 +295,7 @@ def test_remote_status_shows_the_supervisor_its_restarts_and_the_coordinator_lea
     as died (no final record) and `start` starts it again."""
     import sys
     cfg = _config(tmp_path)
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     lease = coordinator_lease_path(paths.root)
     child = (f"import sys, time; sys.path.insert(0, {str(REPO)!r})\n"
              f"from train.core.coordinator_lease import CoordinatorLease\n"

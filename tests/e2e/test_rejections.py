@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from train.core.config import build_config
+from train.config import build_config
 from train.diloco.coordinator import Coordinator
 from train.exchange.layout import Layout
-from train.core.outer import diloco_round
-from train.core.store import PROTOCOL_VERSION, RunPaths, atomic_write_json, read_json
+from train.exchange.outer import diloco_round
+from train.core.store import PROTOCOL_VERSION, atomic_write_json, read_json
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import load_tensors, save_streaming
 
 
-def _publish(paths: RunPaths, r: int, w: int, tensors: dict, **meta_over):
+def _publish(paths: DiLoCoPaths, r: int, w: int, tensors: dict, **meta_over):
     f = paths.delta_file(r, w)
     sha = save_streaming(f, tensors)
     off, n = Layout.load(paths).slice(r, w)  # the slice of the data layout this delta says it was trained on

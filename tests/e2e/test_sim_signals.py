@@ -10,7 +10,7 @@ import time
 import pytest
 
 from helpers_proc import script_cmd
-from train.core.store import RunPaths
+from train.diloco.store import DiLoCoPaths
 
 
 def _alive(pid: int) -> bool:
@@ -28,7 +28,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_ctrl_c_stops_all_workers_and_rerun_resumes(write_config, tmp_path):
     cfg_path = write_config(outer={"rounds": 40, "local_steps": 3})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     cmd = script_cmd("diloco_sim.py", "--config", str(cfg_path))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180

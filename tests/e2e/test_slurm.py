@@ -17,8 +17,9 @@ import pytest
 from conftest import REPO, tiny_config
 from helpers_proc import wait_until
 from slurm_fixture import skip_reason, start_slurm
-from train.core.config import ConfigError
-from train.core.store import RunPaths, read_json
+from train.config import ConfigError
+from train.core.store import read_json
+from train.diloco.store import DiLoCoPaths
 from train.launch.slurm import SlurmLauncher, SlurmOptions, parse_time
 
 ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -126,7 +127,7 @@ def test_checks_before_submitting(tmp_path):
                                           r"measured yet: the start-up window of a worker, outer.startup_grace_s 100"):
         short.launch()
     # with rounds measured, the estimate is this run's own: the median gap between its metrics records
-    paths = RunPaths(short.cfg.run_dir)
+    paths = DiLoCoPaths(short.cfg.run_dir)
     paths.metrics.parent.mkdir(parents=True)
     paths.metrics.write_text("".join(json.dumps({"round": r, "time": 1000.0 + 90 * r}) + "\n" for r in range(4)))
     with pytest.raises(ConfigError, match=r"\(90 s; the median of this run's last 3 measured rounds"):
@@ -178,7 +179,7 @@ def slurm(tmp_path_factory):
 class Run:
     def __init__(self, slurm, tmp: Path, **sections):
         self.slurm, self.config = slurm, write_config(tmp, **sections)
-        self.paths = RunPaths(tmp / "runs" / "t")
+        self.paths = DiLoCoPaths(tmp / "runs" / "t")
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return cli(args[0], "--backend", "slurm", "--config", str(self.config), *args[1:], env=self.slurm.env,

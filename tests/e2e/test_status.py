@@ -14,7 +14,8 @@ import pytest
 
 from conftest import REPO
 from helpers_proc import script_cmd, wait_until, progress_of
-from train.core.store import RunPaths, read_json
+from train.core.store import read_json
+from train.diloco.store import DiLoCoPaths
 from train.status.timeline import build_timeline
 
 
@@ -36,14 +37,14 @@ def _throttle(pid: int, until, timeout: float) -> None:
             pass
 
 
-def _record(paths: RunPaths, r: int) -> dict:
+def _record(paths: DiLoCoPaths, r: int) -> dict:
     try:
         return read_json(paths.committed(r))
     except (OSError, ValueError):
         return {}
 
 
-def _left_behind(paths: RunPaths, w: int, start: int, rounds: int) -> int | None:
+def _left_behind(paths: DiLoCoPaths, w: int, start: int, rounds: int) -> int | None:
     """The first round from `start` on that was committed without worker w (COMMITTED of r + 1 closes round r)."""
     for r in range(start, rounds):
         try:
@@ -61,7 +62,7 @@ def test_a_killed_worker_and_a_straggler_in_the_timeline_and_the_status_view(tmp
     cfg = write_config(outer={"num_workers": 3, "rounds": R, "local_steps": 60, "dead_after_s": 2,
                                    "startup_grace_s": 6, "straggler_factor": 2},
                   logging={"progress": False, "plot": True}, eval={"every": 100, "batch_size": 8, "batches": 1})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:

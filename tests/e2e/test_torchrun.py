@@ -13,7 +13,7 @@ from conftest import tiny_config
 from helpers_proc import run_script
 from train.core.data import ShardSampler, TokenData
 from train.core.dist import DistInfo, RankBatches, all_mean, broadcast_json, get_dist_info
-from train.core.store import RunPaths
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import load_tensors
 
 
@@ -45,7 +45,7 @@ def test_one_process_is_rank_0_of_1_and_collectives_are_no_ops(monkeypatch):
 
 
 def test_worker_refuses_a_group_size_other_than_the_config(write_config, monkeypatch):
-    from train.core.config import ConfigError, load_config
+    from train.config import ConfigError, load_config
     from train.core.dist import init_group
 
     cfg = load_config(write_config(inner={"nproc_per_node": 2, "per_device_batch_size": 4}))
@@ -56,7 +56,7 @@ def test_worker_refuses_a_group_size_other_than_the_config(write_config, monkeyp
 
 
 def test_launcher_starts_torchrun_groups_on_gpu_groups(tmp_path):
-    from train.core.config import ConfigError
+    from train.config import ConfigError
     from train.launch.machines import load_machines
     from train.launch.launcher import Launcher
     from train.launch.ssh import SSHOptions
@@ -83,7 +83,7 @@ def test_launcher_starts_torchrun_groups_on_gpu_groups(tmp_path):
 
 def test_single_process_trainers_refuse_a_group_config(write_config):
     """EDT workers (and anything else that builds an InnerTrainer without a group) train in one process."""
-    from train.core.config import ConfigError, load_config
+    from train.config import ConfigError, load_config
     from train.core.inner import InnerTrainer
 
     cfg = load_config(write_config(inner={"nproc_per_node": 2, "per_device_batch_size": 4}))
@@ -91,7 +91,7 @@ def test_single_process_trainers_refuse_a_group_config(write_config):
         InnerTrainer(cfg, torch.nn.Linear(2, 2), torch.device("cpu"))
 
 
-def _run(tmp_path, name: str, rounds: int = 2, **inner) -> RunPaths:
+def _run(tmp_path, name: str, rounds: int = 2, **inner) -> DiLoCoPaths:
     """diloco_sim.py with one worker of `inner.nproc_per_node` processes, `rounds` rounds of 3 steps (on a 6-step
     schedule, so a run stopped after round 1 and resumed is the same run), on fake tokens."""
     base = tmp_path / name
@@ -103,7 +103,7 @@ def _run(tmp_path, name: str, rounds: int = 2, **inner) -> RunPaths:
                                                                                        "plot": False})
     (base / "evolution.json").write_text(json.dumps(cfg))
     out = run_script("diloco_sim.py", "--config", str(base / "evolution.json"), "--rounds", str(rounds), timeout=300)
-    paths = RunPaths(base / "runs" / "t")
+    paths = DiLoCoPaths(base / "runs" / "t")
     assert out.returncode == 0, out.stderr[-3000:] + paths.worker_log(0).read_text()[-3000:]
     return paths
 

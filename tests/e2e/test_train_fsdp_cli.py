@@ -12,7 +12,8 @@ import pytest
 
 from conftest import REPO
 from train.launch import train_fsdp
-from train.core.store import RunPaths, read_jsonl
+from train.core.store import read_jsonl
+from train.diloco.store import DiLoCoPaths
 
 MODEL = str(REPO / "configs" / "micro-llama.json")
 
@@ -106,7 +107,7 @@ def test_seed_command_runs_as_a_two_process_torchrun_worker(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO / "train" / "launch" / "train_fsdp.py"), *seed_command(ck, galaxy=1), "--project", "seed"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    paths = RunPaths(ck / "seed")
+    paths = DiLoCoPaths(ck / "seed")
     logs = out.stdout + out.stderr
     assert out.returncode == 0, logs[-4000:] + (paths.logs / "coordinator.log").read_text()[-2000:]
     assert "2 processes (ddp)" in logs and "round 0: 5 steps" in logs

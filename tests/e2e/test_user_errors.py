@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from train.core.config import load_config
+from train.config import load_config
 from train.core.errors import ConfigError, EnvironmentProblem, NotFound, UserError, run_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,7 +188,7 @@ ENTRY_POINTS = {
                                'EDT-JSON {"error": "{tmp}/bad.json: outer.lr = -1'),
     "train/launch/supervise.py": (["-m", "train.launch.supervise", "--name", "worker 0", "--", "{tmp}/no-python"],
                                   "worker 0: cannot run '{tmp}/no-python' (No such file or directory)"),
-    "train/core/config.py": (["-m", "train.core.config", BAD], "error: {tmp}/bad.json: outer.lr = -1"),
+    "train/config/__init__.py": (["-m", "train.config", BAD], "error: {tmp}/bad.json: outer.lr = -1"),
     "scripts/build_tokenizer.py": (["scripts/build_tokenizer.py", "--corpus", "{tmp}", "--out", "{tmp}/tok"],
                                    "error: --corpus {tmp}: no *.txt files"),
     "scripts/make_specialists.py": (["scripts/make_specialists.py", "--model-config", "{tmp}/nope.json", "--out",

@@ -1,4 +1,4 @@
-"""train/core/config.py: evolution.json (+ legacy keys, overrides, clear errors), machines.json, the reference table."""
+"""train/config: evolution.json (+ legacy keys, overrides, clear errors), machines.json, the reference table."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, tiny_config
-from train.core.config import LEGACY_KEYS, ConfigError, RunConfig, build_config, load_config, reference_markdown
+from train.config import LEGACY_KEYS, ConfigError, RunConfig, build_config, load_config, reference_markdown
 from train.launch.machines import Machine, load_machines
 
 
@@ -20,7 +20,7 @@ def _write(path: Path, obj) -> Path:
 
 
 def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every dotted key of a config dataclass, enumerated independently of train.core.config's helpers."""
+    """Every dotted key of a config dataclass, enumerated independently of train.config's helpers."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO, pin_threads, tiny_config
-from train.core.config import build_config
+from train.config import build_config
 from train.core.data import ShardSampler, TokenData, prepare_data
 from train.core.inner import InnerTrainer, lr_at
 from train.core.model import build_model, load_tokenizer

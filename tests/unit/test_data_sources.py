@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import tiny_config
-from train.core.config import build_config
+from train.config import build_config
 from train.core.data import prepare_data
 from train.core.errors import DataError
 from train.core.model import load_tokenizer

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from conftest import REPO, tiny_config
-from train.core.config import ConfigError, build_config
-from train.core.evolution import generation_rng, random_dna
+from train.config import ConfigError, build_config
+from train.edt.genes import generation_rng, random_dna
 from train.core.tensorio import load_tensors
 from train.edt.store import EDTPaths
 from train.evomerge.breeding import EvoMergeBreeding, decode_evomerge, evomerge_genes

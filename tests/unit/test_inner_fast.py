@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, pin_threads
-from train.core.config import build_config
+from train.config import build_config
 from train.core.inner import (InnerTrainer, lr_at, resolve_compile, resolve_loss_chunk, resolve_precision,
                               token_cross_entropy)
 from train.core.model import build_model

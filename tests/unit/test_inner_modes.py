@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import REPO, pin_threads
-from train.core.config import build_config
+from train.config import build_config
 from train.core.inner import InnerTrainer
 from train.core.model import build_model
 

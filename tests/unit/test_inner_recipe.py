@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import REPO, pin_threads
-from train.core.config import ConfigError, build_config
+from train.config import ConfigError, build_config
 from train.core.inner import InnerTrainer, lr_at
 from train.core.model import build_model
-from train.core.outer import outer_lr_at
+from train.exchange.outer import outer_lr_at
 
 MICRO = str(REPO / "configs" / "micro-llama.json")
 

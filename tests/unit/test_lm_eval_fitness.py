@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import pin_threads, tiny_config
-from train.core.config import ConfigError, build_config, load_config
+from train.config import ConfigError, build_config, load_config
 from train.core.errors import EnvironmentProblem
-from train.core.evolution import fitness_function
+from train.edt.genes import fitness_function
 from train.evomerge.lm_eval_fitness import LMEvalTask, combine, parse_tasks
 
 REPO = Path(__file__).resolve().parents[2]

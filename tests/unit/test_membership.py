@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import REPO
-from train.core.config import ConfigError, build_config
+from train.config import ConfigError, build_config
 from train.core.heartbeat import Heartbeat
 from train.core.store import RunPaths, read_json
 from train.exchange.membership import Membership, local_pid_alive, workers_alive

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from train.merge.crossover import (MergeSpec, ParentFiles, curve_value, interpolate, lerp, merge_files,
                                    outer_sgd_crossover, outer_sgd_tensor, slerp, t_for)
-from train.core.outer import diloco_round
+from train.exchange.outer import diloco_round
 from train.core.tensorio import load_tensors, save_streaming
 
 shapes = st.sampled_from([(7,), (3, 4), (2, 3, 5)])

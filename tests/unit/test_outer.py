@@ -1,4 +1,4 @@
-"""The DiLoCo outer step (train/core/outer.py) against torch.optim.SGD and against its definitions."""
+"""The DiLoCo outer step (train/exchange/outer.py) against torch.optim.SGD and against its definitions."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from train.core.outer import average_deltas, diloco_round, outer_step, outer_step_tensor
+from train.exchange.outer import average_deltas, diloco_round, outer_step, outer_step_tensor
 
 SETTINGS = settings(max_examples=25, deadline=None)
 
@@ -173,7 +173,7 @@ def test_eager_start_is_kale_et_al_eager_update_without_momentum(n_workers, n_ro
     coordinator's committed model (round k − 1 combined) and γ = eager_gain — for every worker and round."""
     from types import SimpleNamespace
 
-    from train.core.outer import eager_gain
+    from train.exchange.outer import eager_gain
 
     gen = torch.Generator().manual_seed(seed)
     shp = [(3, 4), (5,)]
@@ -205,7 +205,7 @@ def test_eager_gain_is_the_weight_of_one_worker_in_the_outer_step():
     """γ: how far one worker's pseudo-gradient moves θ in one outer step, measured with outer_step itself."""
     from types import SimpleNamespace
 
-    from train.core.outer import eager_gain
+    from train.exchange.outer import eager_gain
 
     gen = torch.Generator().manual_seed(1)
     theta, m, g = (_rand_state(gen, [(6,)]) for _ in range(3))

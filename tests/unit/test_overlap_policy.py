@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from train.core.config import OuterConfig
-from train.core.outer import eager_gain
+from train.config import OuterConfig
+from train.exchange.outer import eager_gain
 from train.diloco.overlap import Delayed, Eager, Fold, Segment, Synchronous, for_config
 
 NAMES = ["a", "b"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from train.launch import train_fsdp
-from train.core.config import ConfigError, load_config
+from train.config import ConfigError, load_config
 
 PEER = "/ip4/192.168.100.20/tcp/30001/p2p/Qmbh7opLJxFCtY22XqwETuo6bnWqijs76YXz7D69MBWEuZ"
 ENV = {"PEER": PEER, "PEER_ADDRESS": "/ip4/MACHINE1_IP/tcp/30001/p2p/PEER_ID", "WORLD_RANK": "0",
@@ -336,7 +336,7 @@ def test_a_prototype_population_of_zero_is_refused_not_replaced(tmp_path, caplog
 def test_every_prototype_sentinel_is_refused_under_every_alias_of_its_key():
     """A value our key reads as "derive it" (PROTOTYPE_SENTINELS) is refused under each prototype alias of the key
     and accepted under the key itself."""
-    from train.core.config import LEGACY_KEYS, PROTOTYPE_SENTINELS, build_config
+    from train.config import LEGACY_KEYS, PROTOTYPE_SENTINELS, build_config
 
     for key, (value, _) in PROTOTYPE_SENTINELS.items():
         aliases = [a for a, k in LEGACY_KEYS.items() if k == key]

@@ -1,4 +1,4 @@
-"""Selection, fitness and DNA: properties (hypothesis) of the pure functions in train/core/evolution.py."""
+"""Selection, fitness and DNA: properties (hypothesis) of the pure functions in train/edt/genes.py."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from train.core.evolution import (GENES, crossover_dna, decode, fit_dna, fitness_function, generation_rng, mutate_dna,
+from train.edt.genes import (GENES, crossover_dna, decode, fit_dna, fitness_function, generation_rng, mutate_dna,
                                  rank_order, rank_weights, select_pairs, tournament)
 
 fitness_lists = st.lists(st.one_of(st.floats(-10, 10, allow_nan=False), st.just(float("-inf")),
@@ -144,7 +144,7 @@ def test_elite_keeps_its_slot_and_every_slot_is_filled():
 
 def test_initial_population_is_filled_by_random_choice(tmp_path):
     from conftest import tiny_config
-    from train.core.config import ConfigError, build_config
+    from train.config import ConfigError, build_config
     from train.edt.breed import initial_specs
 
     cfg = build_config(tiny_config(tmp_path, edt={"initial_population": ["a.json", "b-dir"]}))

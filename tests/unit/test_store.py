@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from train.core.store import (MANIFEST, PROTOCOL_VERSION, ProtocolError, RunPaths, append_jsonl, atomic_write,
+from train.core.store import (MANIFEST, PROTOCOL_VERSION, ProtocolError, append_jsonl, atomic_write,
                               atomic_write_bytes, atomic_write_json, ensure_run_manifest, exclusive_lock, read_json,
-                              read_jsonl,
-                              sha256_file, verify_manifest, write_manifest)
+                              read_jsonl, sha256_file, verify_manifest, write_manifest)
+from train.diloco.store import DiLoCoPaths
 
 
 # -- atomic writes ---------------------------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ def test_verify_manifest_detects_a_modified_byte(model_dir):
 
 # -- run manifest ----------------------------------------------------------------------------------------------------
 def test_run_manifest_is_created_then_accepted(tmp_path):
-    paths = RunPaths(tmp_path / "run")
+    paths = DiLoCoPaths(tmp_path / "run")
     ident = {"model": "micro", "num_workers": 2, "seq_length": 32}
     run = ensure_run_manifest(paths, ident)
     assert run["protocol"] == PROTOCOL_VERSION and run["identity"] == ident
@@ -126,7 +126,7 @@ def test_run_manifest_is_created_then_accepted(tmp_path):
 
 
 def test_run_manifest_refuses_another_protocol_version(tmp_path):
-    paths = RunPaths(tmp_path / "run")
+    paths = DiLoCoPaths(tmp_path / "run")
     ensure_run_manifest(paths, {"model": "m"})
     run = read_json(paths.run_json)
     run["protocol"] = PROTOCOL_VERSION + 1
@@ -140,7 +140,7 @@ def test_run_manifest_refuses_another_protocol_version(tmp_path):
 
 
 def test_run_manifest_refuses_a_changed_identity(tmp_path):
-    paths = RunPaths(tmp_path / "run")
+    paths = DiLoCoPaths(tmp_path / "run")
     ensure_run_manifest(paths, {"model": "micro", "num_workers": 2, "seq_length": 32})
     with pytest.raises(ProtocolError) as ei:
         ensure_run_manifest(paths, {"model": "micro", "num_workers": 4, "seq_length": 64})
@@ -154,7 +154,7 @@ def test_run_manifest_refuses_a_changed_identity(tmp_path):
 
 # -- committed rounds ------------------------------------------------------------------------------------------------
 def test_committed_rounds_only_counts_rounds_with_a_marker(tmp_path):
-    paths = RunPaths(tmp_path / "run")
+    paths = DiLoCoPaths(tmp_path / "run")
     assert paths.committed_rounds() == [] and paths.latest_committed() is None
     for r in (0, 1, 2, 3, 11):
         paths.global_dir(r).mkdir(parents=True)
@@ -172,14 +172,14 @@ def test_committed_rounds_only_counts_rounds_with_a_marker(tmp_path):
 
 
 def test_latest_committed_from_a_hint_probes_only_later_rounds(tmp_path):
-    paths = RunPaths(tmp_path / "run")
+    paths = DiLoCoPaths(tmp_path / "run")
     for r in (3, 4, 5):
         atomic_write_json(paths.committed(r), {"round": r})
     assert paths.latest_committed(3) == 5 and paths.latest_committed(5) == 5
     assert paths.latest_committed(1) == 5  # a pruned (or never committed) hint: every round directory is listed
     atomic_write_json(paths.committed(6), {"round": 6})
     assert paths.latest_committed(5) == 6
-    assert RunPaths(tmp_path / "empty").latest_committed(0) is None
+    assert DiLoCoPaths(tmp_path / "empty").latest_committed(0) is None
 
 
 # -- jsonl -----------------------------------------------------------------------------------------------------------

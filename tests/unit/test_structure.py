@@ -1,4 +1,5 @@
-"""The tree keeps its plan: train/core imports no wing, no import circle between modules (issue #12)."""
+"""The tree keeps its plan: train/config and train/core import no wing, core holds only what every strategy uses,
+no import circle between modules (issues #12, #39)."""
 from __future__ import annotations
 
 import ast
@@ -7,7 +8,7 @@ from pathlib import Path
 from conftest import REPO
 
 TRAIN = REPO / "train"
-WINGS = ("exchange", "diloco", "edt", "evomerge", "merge", "launch")
+WINGS = ("exchange", "diloco", "edt", "evomerge", "merge", "launch", "status")
 
 
 def module_name(path: Path) -> str:
@@ -41,6 +42,24 @@ def test_core_imports_no_wing():
     assert not {m: d for m, d in bad.items() if d}, bad
 
 
+def test_config_imports_only_core_errors_and_the_recipe_reader():
+    """train/config is the bottom layer: its own modules, train.core.errors, and EvoMerge's recipe reader (lazily,
+    when evomerge.initial_recipe names a mergekit YAML)."""
+    allowed = {"train.core.errors", "train.evomerge.recipe"}
+    bad = {m: sorted(d for d in deps if not d.startswith("train.config") and d not in allowed)
+           for m, deps in graph().items() if m.startswith("train.config")}
+    assert not {m: d for m, d in bad.items() if d}, bad
+
+
+def test_core_holds_no_configuration_and_no_strategy_modules():
+    """The config package owns the configuration; each strategy owns its layout, outer step and genes (issue #39)."""
+    names = sorted(p.stem for p in (TRAIN / "core").glob("*.py"))
+    assert not [n for n in names if n.startswith("config")], names
+    assert not {"outer", "evolution", "strategies"} & set(names), names
+    common = (TRAIN / "core" / "store.py").read_text().split("class RunPaths", 1)[1].split("\n\n\n")[0]
+    assert "rounds = property" not in common and "def delta_file" not in common  # DiLoCo's: train/diloco/store.py
+
+
 def test_no_import_circle():
     g = graph()
     state: dict[str, int] = {}
@@ -66,4 +85,5 @@ def test_no_import_circle():
 
 def test_train_has_no_flat_modules_but_the_package_marker():
     flat = sorted(p.name for p in TRAIN.glob("*.py") if p.name != "__init__.py")
-    assert not flat, f"modules belong in a subpackage (core, exchange, diloco, edt, evomerge, merge, launch): {flat}"
+    assert not flat, (f"modules belong in a subpackage (config, core, exchange, diloco, edt, evomerge, merge, "
+                      f"launch, status): {flat}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import pin_threads
-from train.core.config import ConfigError
+from train.config import ConfigError
 from train.evomerge.sft import SFTMixture, train_sft
 from train.evomerge.task_eval import (TaskSpec, eval_exact_match, eval_sft_loss, evaluate_tasks, exact_match_score,
                                       fixed_items, generate_answers)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from train.core.config import ConfigError
+from train.config import ConfigError
 from train.evomerge.tasks import TASKS, load_items, prompt_and_answer, split_of, task_items, to_messages
 
 

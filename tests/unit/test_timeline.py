@@ -12,7 +12,8 @@ import time
 import pytest
 
 from conftest import REPO
-from train.core.store import RunPaths, append_jsonl, atomic_write_json
+from train.core.store import append_jsonl, atomic_write_json
+from train.diloco.store import DiLoCoPaths
 from train.status.recorder import TimelineRecorder
 from train.status.timeline import JOURNAL, build_timeline, supervisor_events
 from train.status.view import gather, render
@@ -40,7 +41,7 @@ def run(tmp_path):
     """A 3-worker DiLoCo run of 3 rounds (2 s each): worker 1 is SIGKILLed in round 1 and restarted (a new lease,
     its supervisor's lines in its log), worker 2 is a straggler left behind in round 2; the recorder journals each
     round as the coordinator does, and the sidecars are then pruned."""
-    paths = RunPaths(tmp_path / "t")
+    paths = DiLoCoPaths(tmp_path / "t")
     atomic_write_json(paths.run_json, {"protocol": 1, "identity": {}, "created": T0})
     atomic_write_json(paths.config_json, {"project_name": "t", "outer": {"num_workers": 3, "rounds": 3,
                                                                          "dead_after_s": 10, "min_workers": 1}})

@@ -24,7 +24,7 @@ import torch
 
 from train.core import sharedfs
 from train.core.errors import DataError, EnvironmentProblem, NotFound, TimedOut, UserError
-from train.core.config import RunConfig
+from train.config import RunConfig
 from train.core.store import atomic_write_json, read_json, wait_for
 
 LOCAL_EXTS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

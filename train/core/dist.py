@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from train.core.config import ConfigError, RunConfig
+from train.config import ConfigError, RunConfig
 
 # Rank 0 may wait a long time for a round (other workers still training) while the other ranks wait for it in a
 # broadcast: the collective timeout must outlast any sane round, or the group would abort itself.

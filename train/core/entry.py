@@ -1,6 +1,6 @@
 """The body every worker module shares: `python -m <worker module> --config ... --worker i [--set K=V] [--threads N]`.
 
-train/diloco/worker.py and train/edt/worker.py call it with their worker class; train/core/strategies.py names the
+train/diloco/worker.py and train/edt/worker.py call it with their worker class; train/config/strategies.py names the
 modules. Coordinators' bodies are train/launch/cli.py's coordinator_main (they are started from the top-level
 scripts).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from train.core import sharedfs
-from train.core.config import DEFAULT_CONFIG, config_path, load_config
+from train.config import DEFAULT_CONFIG, config_path, load_config
 
 
 def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | None = None) -> int:
@@ -19,7 +19,7 @@ def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | Non
     safe point (between inner steps, or in a wait) and the run resumes from its saved state."""
     from train.core.heartbeat import install_leave_handler
     from train.core.model import quiet_transformers
-    from train.core.strategies import STRATEGIES
+    from train.config.strategies import STRATEGIES
 
     ap = argparse.ArgumentParser(prog=f"python -m {STRATEGIES[strategy].worker_module}", description=doc)
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="evolution.json of the run (default: %(default)s here, "

@@ -136,7 +136,7 @@ def run_main(fn: Callable[[], int | None], name: str, level: int = logging.INFO,
     machine, not a bug: one line too. In a torchrun group, ranks > 0 print nothing for an error rank 0 also
     reports, and a rank that loses its peers because another rank exited says so in one line.
 
-    `cli`: a command that runs and returns (the SSH launcher, scripts/, `python -m train.core.config`) rather than a
+    `cli`: a command that runs and returns (the SSH launcher, scripts/, `python -m train.config`) rather than a
     process of a run: its one line is `error: <message>` as argparse writes its own, without the log prefix.
     """
     secondary = _is_secondary_rank()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from train.core.config import ConfigError, RunConfig
+from train.config import ConfigError, RunConfig
 from train.core.dist import DistInfo, all_mean, full_tensor, like, parallelize
 from train.core.tensorio import load_tensors, save_streaming
 

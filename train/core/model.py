@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from train.core.errors import ConfigError, EnvironmentProblem, ModelError, NotFound
-from train.core.config import RunConfig
+from train.config import RunConfig
 from train.core.store import publish_dir
 from train.core.tensorio import iter_tensors
 

@@ -284,7 +284,9 @@ def prepare_run_dir(run_dir: str | os.PathLike, source: str = "the config") -> P
 
 
 class RunPaths:
-    """Every path of the BASE_DIR protocol for one run, in one place."""
+    """The paths every run has under BASE_DIR/<project> (run.json, config.json, metrics, logs, data, workers/),
+    whatever its strategy. Each strategy's own layout extends it: DiLoCoPaths (train/diloco/store.py: rounds,
+    deltas, the global model) and EDTPaths (train/edt/store.py: generations, jobs, members)."""
 
     def __init__(self, run_dir: str | os.PathLike):
         self.root = Path(run_dir)
@@ -296,36 +298,6 @@ class RunPaths:
     logs = property(lambda self: self.root / "logs")
     data = property(lambda self: self.root / "data")
     final = property(lambda self: self.root / "final")
-    rounds = property(lambda self: self.root / "rounds")
-
-    def round_dir(self, r: int) -> Path:
-        return self.rounds / f"r{r:06d}"
-
-    def global_dir(self, r: int) -> Path:
-        return self.round_dir(r) / "global"
-
-    def outer_state(self, r: int) -> Path:
-        return self.round_dir(r) / "outer_state.safetensors"
-
-    def committed(self, r: int) -> Path:
-        return self.round_dir(r) / "COMMITTED"
-
-    def update_file(self, r: int) -> Path:
-        """The compressed outer update θ_r − θ_{r−1} (compressed exchange; docs/compression.md)."""
-        return self.round_dir(r) / "update.safetensors"
-
-    def is_checkpoint(self, r: int) -> bool:
-        """Round r has a complete fp32 global model directory (every round without compression)."""
-        return sharedfs.exists(self.global_dir(r) / "MANIFEST.json")
-
-    def deltas_dir(self, r: int) -> Path:
-        return self.round_dir(r) / "deltas"
-
-    def delta_file(self, r: int, w: int) -> Path:
-        return self.deltas_dir(r) / f"w{w:03d}.safetensors"
-
-    def delta_meta(self, r: int, w: int) -> Path:
-        return self.deltas_dir(r) / f"w{w:03d}.json"
 
     def worker_dir(self, w: int) -> Path:
         return self.root / "workers" / f"w{w:03d}"
@@ -333,41 +305,11 @@ class RunPaths:
     def worker_state(self, w: int) -> Path:
         return self.worker_dir(w) / "state.json"
 
-    def worker_opt(self, w: int, r: int) -> Path:
-        return self.worker_dir(w) / f"opt-r{r:06d}.safetensors"
-
-    def worker_pending_delta(self, w: int, r: int) -> Path:
-        return self.worker_dir(w) / f"delta-r{r:06d}.safetensors"
-
     def progress(self, w: int) -> Path:
         return self.worker_dir(w) / "progress.json"
 
     def worker_log(self, w: int) -> Path:
         return self.logs / f"worker-{w:03d}.log"
-
-    # -- committed state --------------------------------------------------------------------------------------------
-    # Another machine makes these files: existence is read from folder listings, never from a lookup of a name
-    # that may not exist yet (an NFS client caches "no such file" for up to a minute: train/core/sharedfs.py).
-    def committed_rounds(self) -> list[int]:
-        out = []
-        for name in sharedfs.names(self.rounds):
-            if name.startswith("r") and name[1:].isdigit() and sharedfs.is_file(self.committed(int(name[1:]))):
-                out.append(int(name[1:]))
-        return sorted(out)
-
-    def is_committed(self, r: int) -> bool:
-        return sharedfs.exists(self.committed(r))
-
-    def latest_committed(self, hint: int | None = None) -> int | None:
-        """The last committed round. `hint`: a round known to be committed; then only the rounds after it are
-        looked at, not every round directory (rounds commit in order and are pruned oldest first)."""
-        if hint is not None and self.is_committed(hint):
-            r = hint
-            while self.is_committed(r + 1):
-                r += 1
-            return r
-        rs = self.committed_rounds()
-        return rs[-1] if rs else None
 
 
 # -- run identity ---------------------------------------------------------------------------------------------------

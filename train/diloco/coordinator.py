@@ -17,7 +17,7 @@ import torch
 
 from train.core import sharedfs
 from train.core.background import OneSlot
-from train.core.config import RunConfig
+from train.config import RunConfig
 from train.core.errors import ProtocolError
 from train.core.data import TokenData, prepare_data
 from train.core.coordinator_lease import NO_LEASE, CoordinatorLease, coordinator_lease_path
@@ -36,7 +36,6 @@ from train.status.recorder import TimelineRecorder
 from train.core.store import (
     NO_LOCK,
     PROTOCOL_VERSION,
-    RunPaths,
     atomic_write_json,
     ensure_run_manifest,
     exclusive_lock,
@@ -46,6 +45,7 @@ from train.core.store import (
     read_jsonl,
     verify_manifest,
 )
+from train.diloco.store import DiLoCoPaths
 
 log = logging.getLogger("coordinator")
 
@@ -67,7 +67,7 @@ class Coordinator:
         self.cfg = cfg
         self._lock_f = NO_LOCK  # the coordinator's lock, taken in setup()
         sharedfs.configure(cfg.outer.io_retry_s)
-        self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
+        self.paths = DiLoCoPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
         self.evals = OneSlot("evaluate")  # a committed round's evaluation and metrics record, off the critical path

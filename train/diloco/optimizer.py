@@ -30,7 +30,7 @@ explicit worker id. It speaks the coordinator's protocol (train/core/store.py) u
   is saved as rounds/r/outer_state.safetensors — keyed by parameter name for `momentum_buffer`, which is the
   coordinator's layout, and `name::key` for any other state — and read back every round, so a restarted reducer
   (or a different one) resumes it. With SGD(lr, momentum, nesterov=True) this is exactly the coordinator's step
-  (train/core/outer.py; tests/e2e/test_diloco_optimizer.py checks both). Hyperparameter changes of the outer optimizer
+  (train/exchange/outer.py; tests/e2e/test_diloco_optimizer.py checks). Hyperparameter changes of the outer optimizer
   between restarts (lr schedules) are not persisted.
 - Resume: constructing the optimizer again on the same base_dir/run_id continues at the latest committed round
   (its parameters are loaded into the model). The inner optimizer's state and the scheduler are the user's:
@@ -56,8 +56,9 @@ from train.core.errors import NotFound, TimedOut
 from train.core.model import WEIGHTS
 from train.exchange.protocol import commit, delta_sidecar, publish_sidecar, round_record, write_delta
 from train.exchange.reduce import arrived, param_order, prune_rounds, validate_and_reduce
-from train.core.store import (NO_LOCK, PROTOCOL_VERSION, ProtocolError, RunPaths, append_jsonl,
-                              ensure_run_manifest, exclusive_lock, publish_dir, read_json, read_jsonl, wait_for)
+from train.core.store import (NO_LOCK, PROTOCOL_VERSION, ProtocolError, append_jsonl, ensure_run_manifest,
+                              exclusive_lock, publish_dir, read_json, read_jsonl, wait_for)
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import DTYPE_BY_NAME, StreamingWriter, iter_tensors
 
 log = logging.getLogger("diloco_optimizer")
@@ -127,7 +128,7 @@ class DiLoCoOptimizer:
         self.num_inner_steps, self.batch_size = num_inner_steps, batch_size
         self.averaging_timeout, self.min_workers, self.poll = averaging_timeout, min_workers, poll_interval
         self.delta_dtype, self.token_weighted, self.keep_rounds = delta_dtype, token_weighted, keep_rounds
-        self.paths = RunPaths(Path(base_dir) / run_id)
+        self.paths = DiLoCoPaths(Path(base_dir) / run_id)
         self._lock_f = NO_LOCK  # this worker's lock, taken when it first touches the run
         self._source = params if isinstance(params, torch.nn.Module) else None
         self.params = named_params(params)
@@ -367,7 +368,7 @@ def _check(ok: bool, arg: str, value: Any, rule: str) -> None:
 
 def load_global(base_dir: str | os.PathLike, run_id: str, round: int | None = None) -> tuple[int, dict]:
     """(round, {name: tensor}) of the latest (or the given) committed global parameters of a DiLoCoOptimizer run."""
-    paths = RunPaths(Path(base_dir) / run_id)
+    paths = DiLoCoPaths(Path(base_dir) / run_id)
     r = paths.latest_committed() if round is None else round
     if r is None or not paths.is_committed(r):
         raise NotFound(f"{paths.root}: no committed round {'yet' if round is None else round}")

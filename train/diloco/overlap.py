@@ -21,7 +21,7 @@ import time
 import torch
 
 from train.core.background import OneSlot
-from train.core.outer import eager_gain
+from train.exchange.outer import eager_gain
 from train.core.store import wait_for
 from train.exchange.protocol import write_delta
 
@@ -273,11 +273,11 @@ class Eager(Delayed):
     """outer.overlap = "eager": x_{k+1} = θ_k + γ p_k, our progress at the weight the outer step gives it."""
 
     def gain(self, w, r: int) -> float:
-        """γ of round r's outer step (train/core/outer.py eager_gain), with the workers the layout gives round r."""
+        """γ of round r's outer step (train/exchange/outer.py eager_gain), with the workers the layout gives round r."""
         lay = w.layout()
         M = lay.slots(r) if lay is not None else self.oc.num_workers
         if self.oc.compression == "topk":  # θ − η · mean, no outer momentum (train/exchange/sparse.py): γ = η / M
-            from train.core.outer import outer_lr_at
+            from train.exchange.outer import outer_lr_at
             return outer_lr_at(r, self.oc) / max(1, M)
         return eager_gain(r, self.oc, M)
 

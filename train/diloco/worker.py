@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from train.core import sharedfs
-from train.core.config import ConfigError, RunConfig
+from train.config import ConfigError, RunConfig
 from train.core.data import StreamSampler, TokenData, find_data
 from train.core.dist import (
     DistInfo,
@@ -58,17 +58,17 @@ from train.exchange.theta import GlobalTheta
 from train.core.store import (
     PROTOCOL_VERSION,
     ProtocolError,
-    RunPaths,
     atomic_write_json,
     exclusive_lock,
     prepare_run_dir,
     read_json,
     wait_for,
 )
+from train.diloco.store import DiLoCoPaths
 
 log = logging.getLogger("worker")
 
-def build_worker_model(paths: RunPaths, model_config: dict | None = None):
+def build_worker_model(paths: DiLoCoPaths, model_config: dict | None = None):
     """An empty model of the run's architecture (from θ_0's config, or that config.json's contents as rank 0 read
     them); weights come from the global model."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -86,7 +86,7 @@ class Worker(ResumeState):
                               f"workers; the next id to join a running run, docs/elastic.md)")
         self.cfg, self.w = cfg, worker_id
         self.dist = DistInfo()  # set by setup(): rank 0 of 1 unless started by torchrun
-        self.paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
+        self.paths = DiLoCoPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.poll = cfg.outer.poll_interval_s
         self.hb = Heartbeat(self.paths.progress(worker_id), worker_id)
         # called while waiting: says when the coordinator dies or comes back (train/core/coordinator_lease.py);

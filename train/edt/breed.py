@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from train.core.config import ConfigError, RunConfig
+from train.config import ConfigError, RunConfig
 from train.edt.protocol import publish_job
 from train.edt.store import EDTPaths, member_id
-from train.core.evolution import (crossover_dna, decode, fit_dna, generation_rng, mutate_dna, random_dna, select_pairs)
+from train.edt.genes import (crossover_dna, decode, fit_dna, generation_rng, mutate_dna, random_dna, select_pairs)
 from train.merge.crossover import MergeSpec, ParentFiles, merge_files
 from train.core.model import WEIGHTS, build_model, model_source
 from train.core.store import PROTOCOL_VERSION, read_json

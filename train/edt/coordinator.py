@@ -27,7 +27,7 @@ import time
 import uuid
 
 from train.core import sharedfs
-from train.core.config import ConfigError, RunConfig
+from train.config import ConfigError, RunConfig
 from train.core.data import TokenData, prepare_data
 from train.core.errors import UserError
 from train.edt.breed import (Member, breed, load_job, population_size, write_initial_population)
@@ -36,7 +36,7 @@ from train.edt.protocol import (create_claim, lease_age, mark_pruned, publish_me
                                 server_now, stale_count, write_committed, write_done, write_evaluated, write_genome)
 from train.edt.store import EDTPaths, member_id
 from train.status.recorder import TimelineRecorder
-from train.core.evolution import fitness_function, generation_rng, rank_order, rank_pick, tournament
+from train.edt.genes import fitness_function, generation_rng, rank_order, rank_pick, tournament
 from train.core.coordinator_lease import NO_LEASE, CoordinatorLease, coordinator_lease_path
 from train.exchange.membership import Membership, local_pid_alive
 from train.core.logs import make_metric_logger

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from train.core.config import RunConfig
+    from train.config import RunConfig
     from train.edt.store import EDTPaths
 
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from train.core.config import RunConfig
+from train.config import RunConfig
 from train.core.data import ShardSampler, TokenData, find_data
 from train.edt.store import EDTPaths
 from train.core.inner import InnerTrainer, evaluate

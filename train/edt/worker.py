@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from train.core.config import ConfigError, RunConfig
+from train.config import ConfigError, RunConfig
 from train.edt.protocol import publish_member, read_claim, release_claim, renew_lease, requeue, try_claim
 from train.edt.store import EDTPaths
 from train.edt.modes import mode_of

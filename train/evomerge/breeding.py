@@ -3,7 +3,7 @@
 The population starts from several fine-tunes of one architecture (edt.initial_population). Each child of a
 generation is a *merge* of its two parents by the recipe its DNA encodes, then a mutation by SFT on the data mix the
 same DNA encodes (train/evomerge/mutate.py, on a worker), then a task evaluation (fitness). The recipe evolves with
-the weights: selection, uniform DNA crossover and Gaussian gene mutation act on these genes (train/core/evolution.py):
+the weights: selection, uniform DNA crossover and Gaussian gene mutation act on these genes (train/edt/genes.py):
 
     method             which merge (evomerge.methods): linear, slerp, task_arithmetic, ties, dare_linear, dare_ties
     t_attn_i, t_mlp_i  slerp's t-curves for self_attn / mlp tensors (evomerge.curve_points points each), t_rest for
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 from train.core.errors import ConfigError, NotFound
-from train.core.config import BASE_METHODS, RunConfig
-from train.core.evolution import decode as decode_genes
+from train.config import BASE_METHODS, RunConfig
+from train.edt.genes import decode as decode_genes
 from train.evomerge.mergekit_io import NORMALIZE, SPARSE, recipe_genes
 
 log = logging.getLogger("edt-coordinator")

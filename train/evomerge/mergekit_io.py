@@ -10,7 +10,7 @@ mutated is not what a merge gives: the YAML then reproduces the merge before mut
 (`jobs/mXXX/`), and says so in its comments (`# reproduces: PATH`, `# sft-mutated: true`). A member of generation 0
 is one of the fine-tunes as given: a passthrough of it.
 
-In (evomerge.initial_recipe): train/core/config_recipe.py takes the YAML's two models (and base) as the population;
+In (evomerge.initial_recipe): train/evomerge/recipe.py takes the YAML's two models (and base) as the population;
 `recipe_genes` turns its merge_method and parameters into the values of the recipe genes (method, t curves, weight,
 density, scale) that every member of generation 0 carries, so the first children start from that recipe. What the
 genome cannot encode is refused, naming the value.
@@ -21,8 +21,8 @@ import logging
 import math
 from pathlib import Path
 
-from train.core.config import ConfigError, RunConfig
-from train.core.config_recipe import KEY, TASK_VECTOR, read_recipe_yaml, recipe_models
+from train.config import ConfigError, RunConfig
+from train.evomerge.recipe import KEY, TASK_VECTOR, read_recipe_yaml, recipe_models
 from train.core.tensorio import read_header
 
 log = logging.getLogger("edt-coordinator")

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from train.core.config import RunConfig
+from train.config import RunConfig
 from train.evomerge.sft import SFTMixture, ensure_chat_template, train_sft
 from train.evomerge.task_eval import TaskSpec, eval_sft_loss, evaluate_tasks, fixed_items
 from train.evomerge.tasks import load_items

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from train.core.plugins import import_attr
-from train.core.config import ConfigError
+from train.config import ConfigError
 from train.evomerge.sft import IGNORE, encode_prompt, encode_sft, pad_batch, pad_id_of, sft_loss
 from train.evomerge.tasks import load_items, prompt_and_answer
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from train.core.errors import DataError, NotFound
-from train.core.config import ConfigError
+from train.config import ConfigError
 
 EVAL_BUCKETS = 8  # 1 of 8 hash buckets is the eval split
 SPLITS = ("train", "eval")

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from train.core import sharedfs
-from train.core.store import RunPaths
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import read_header
 from train.exchange.codec import Codec, CodecError
 from train.exchange.protocol import RejectedDelta
@@ -51,7 +51,7 @@ def read_checked_delta(acc, r: int, w: int, meta: dict) -> dict[str, torch.Tenso
 class Accumulator:
     """Σ_w a_w Δ_w over the accepted deltas of round r (a_w = tokens, or 1 without token weighting)."""
 
-    def __init__(self, paths: RunPaths, r: int, shapes: dict[str, tuple], codec: Codec, token_weighted: bool):
+    def __init__(self, paths: DiLoCoPaths, r: int, shapes: dict[str, tuple], codec: Codec, token_weighted: bool):
         self.paths, self.r, self.shapes, self.codec = paths, r, shapes, codec
         self.token_weighted = token_weighted
         self.sum: dict[str, torch.Tensor] = {}

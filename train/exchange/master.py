@@ -25,8 +25,9 @@ import torch
 from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
-from train.core.outer import outer_lr_at, outer_step_tensor
-from train.core.store import RunPaths, publish_dir, read_json
+from train.exchange.outer import outer_lr_at, outer_step_tensor
+from train.core.store import publish_dir, read_json
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, iter_tensors
 from train.exchange.accumulate import Accumulator
 from train.exchange.codec import Codec, Residual
@@ -52,7 +53,7 @@ def exchange_codecs(oc) -> tuple[Codec, Codec | None]:
     return c, c
 
 
-def write_global(paths: RunPaths, r: int, names: list[str], tensors: dict[str, torch.Tensor]) -> int:
+def write_global(paths: DiLoCoPaths, r: int, names: list[str], tensors: dict[str, torch.Tensor]) -> int:
     """rounds/r/global/: the weights (fp32, file order), θ_0's config files, MANIFEST; returns bytes written."""
     def fill(tmp: Path) -> dict:
         for fname in ("config.json", "generation_config.json"):
@@ -72,7 +73,7 @@ def write_global(paths: RunPaths, r: int, names: list[str], tensors: dict[str, t
 class OuterMaster:
     """θ_r, m_r and the way-back residual of the coordinator, and the step to round r + 1."""
 
-    def __init__(self, paths: RunPaths, oc, last_round: int):
+    def __init__(self, paths: DiLoCoPaths, oc, last_round: int):
         self.paths, self.oc, self.last_round = paths, oc, last_round
         self.delta_codec, self.codec = exchange_codecs(oc)
         self.theta = GlobalTheta(paths, self.codec)

@@ -18,7 +18,8 @@ import torch
 
 from train.core import sharedfs
 from train.core.model import WEIGHTS
-from train.core.store import PROTOCOL_VERSION, RunPaths, atomic_write_json, read_json
+from train.core.store import PROTOCOL_VERSION, atomic_write_json, read_json
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, read_header
 from train.exchange.codec import Codec, CodecError, Residual, get_codec
 
@@ -73,12 +74,12 @@ def delta_sidecar(r: int, w: int, file: dict, *, inner_steps: int, tokens: int, 
                                  ("handoff_seconds", handoff_seconds)) if v is not None}}
 
 
-def publish_sidecar(paths: RunPaths, sidecar: dict) -> None:
+def publish_sidecar(paths: DiLoCoPaths, sidecar: dict) -> None:
     """The atomic marker that makes a delta complete (its file is already in place)."""
     atomic_write_json(paths.delta_meta(sidecar["round"], sidecar["worker"]), sidecar)
 
 
-def check_sidecar(paths: RunPaths, r: int, w: int, codec: "Codec | str") -> dict:
+def check_sidecar(paths: DiLoCoPaths, r: int, w: int, codec: "Codec | str") -> dict:
     """Cheap checks before reading tensors: sidecar fields, round, worker, size, and the header against the codec
     (`codec`: a Codec or a dtype name) and the global model's shapes."""
     try:
@@ -139,7 +140,7 @@ def round_record(r: int, ok: list[int], metas: dict[int, dict], rejected: dict[i
             "bytes_total": io["bytes_read"] + io["bytes_written"] + wread + wwritten, **timings}
 
 
-def commit(paths: RunPaths, r: int, record: dict) -> None:
+def commit(paths: DiLoCoPaths, r: int, record: dict) -> None:
     """The atomic marker that makes round r (global model + outer state) trusted."""
     atomic_write_json(paths.committed(r), {"round": r, "time": time.time(), **record})
 

@@ -3,7 +3,7 @@ BASE_DIR protocol, shared by the coordinator process (train/diloco/coordinator.p
 `DiLoCoOptimizer` (train/diloco/optimizer.py). One implementation, so both paths accept and reject the same files.
 
 The outer update itself is a callback (`update(name, θ_r, g, prev) -> (θ_{r+1}, {state key: tensor})`): the
-coordinator passes the pure Nesterov step of train/core/outer.py, DiLoCoOptimizer the user's torch outer optimizer.
+coordinator passes the pure Nesterov step of train/exchange/outer.py, DiLoCoOptimizer the user's torch outer optimizer.
 Everything is streamed tensor by tensor, so the reducer holds about one tensor of every file at a time.
 
 Commit of round r + 1 (docs/protocol.md, invariants):
@@ -22,7 +22,8 @@ from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
 from train.exchange.protocol import RejectedDelta, check_sidecar
-from train.core.store import (RunPaths, atomic_publish_dir, new_tmp_dir, write_manifest)
+from train.core.store import atomic_publish_dir, new_tmp_dir, write_manifest
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import SequentialReader, StreamingWriter, read_header
 
 log = logging.getLogger("reduce")
@@ -37,19 +38,19 @@ StateSpecs = Callable[[str, torch.dtype, tuple], "dict[str, tuple[torch.dtype, t
 
 
 
-def param_order(paths: RunPaths, r: int) -> list[str]:
+def param_order(paths: DiLoCoPaths, r: int) -> list[str]:
     """Tensor names of the global model of round r in file order (deltas must be written in this order)."""
     header, _ = read_header(paths.global_dir(r) / WEIGHTS)
     return sorted(header, key=lambda k: header[k]["data_offsets"][0])
 
 
-def arrived(paths: RunPaths, r: int, num_workers: int) -> list[int]:
+def arrived(paths: DiLoCoPaths, r: int, num_workers: int) -> list[int]:
     """Workers whose delta of round r is published (its sidecar marks it complete)."""
     present = set(sharedfs.names(paths.deltas_dir(r)))  # a listing, not lookups (NFS: train/core/sharedfs.py)
     return [w for w in range(num_workers) if paths.delta_meta(r, w).name in present]
 
 
-def reduce_round(paths: RunPaths, r: int, workers: list[int], metas: dict[int, dict], weights: list[float],
+def reduce_round(paths: DiLoCoPaths, r: int, workers: list[int], metas: dict[int, dict], weights: list[float],
                  update: Update, state_specs: StateSpecs) -> dict:
     """Stream θ_r, the outer state of round r and the deltas tensor by tensor; publish rounds/r+1/global/ and write
     outer_state of r + 1 (not yet committed: the caller writes COMMITTED). Raises RejectedDelta when a delta turns
@@ -115,7 +116,7 @@ def reduce_round(paths: RunPaths, r: int, workers: list[int], metas: dict[int, d
     return {"bytes_read": bytes_read, "bytes_written": pw.nbytes + mw.nbytes}
 
 
-def validate_and_reduce(paths: RunPaths, r: int, workers: list[int], *, delta_dtype: str, min_workers: int,
+def validate_and_reduce(paths: DiLoCoPaths, r: int, workers: list[int], *, delta_dtype: str, min_workers: int,
                         token_weighted: bool, update: Update, state_specs: StateSpecs,
                         ) -> tuple[list[int], dict[int, dict], dict[int, str], dict]:
     """Check every arrived delta, drop the rejected ones (logged with the reason) and reduce the rest; a delta that
@@ -143,7 +144,7 @@ def validate_and_reduce(paths: RunPaths, r: int, workers: list[int], *, delta_dt
             log.error("round %d: rejected delta of worker %d: %s", r, e.worker, e.reason)
 
 
-def prune_rounds(paths: RunPaths, latest: int, keep: int, before_checkpoint: int = 0) -> None:
+def prune_rounds(paths: DiLoCoPaths, latest: int, keep: int, before_checkpoint: int = 0) -> None:
     """Delete rounds older than the last `keep` committed ones, but never those a process needs to rebuild a kept
     round's θ and the outer state: the last fp32 checkpoint at or before the oldest kept round and every round after
     it (with compression, updates and deltas since that checkpoint; without, every round is one), and

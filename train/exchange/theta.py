@@ -24,7 +24,8 @@ import torch
 from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
-from train.core.store import RunPaths, read_json
+from train.core.store import read_json
+from train.diloco.store import DiLoCoPaths
 from train.core.tensorio import SequentialReader, read_header, tensor_bytes
 from train.exchange.codec import Codec, CodecError
 
@@ -42,7 +43,8 @@ def file_order(path: Path) -> list[str]:
     return sorted(header, key=lambda k: header[k]["data_offsets"][0])
 
 
-def read_update(paths: RunPaths, r: int, codec: Codec, shapes: dict[str, tuple]) -> tuple[dict[str, torch.Tensor], int]:
+def read_update(paths: DiLoCoPaths, r: int, codec: Codec,
+                shapes: dict[str, tuple]) -> tuple[dict[str, torch.Tensor], int]:
     """The decoded update of round r ({name: float32}), checked against its codec and the commit record's sha256;
     returns (update, bytes read)."""
     f = paths.update_file(r)
@@ -75,7 +77,7 @@ def read_update(paths: RunPaths, r: int, codec: Codec, shapes: dict[str, tuple])
 class GlobalTheta:
     """θ_r as float32 CPU tensors in the global file's order, advanced round by round (see the module doc)."""
 
-    def __init__(self, paths: RunPaths, codec: Codec | None):
+    def __init__(self, paths: DiLoCoPaths, codec: Codec | None):
         self.paths = paths
         self.codec = codec            # None: the full model is published every round (no compression)
         self.round: int | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from train.core.config import DEFAULT_CONFIG, RunConfig, config_path, load_config
+from train.config import DEFAULT_CONFIG, RunConfig, config_path, load_config
 
 # shortcut flag -> config key
 SHORTCUTS = {"workers": "outer.num_workers", "rounds": "outer.rounds", "local_steps": "outer.local_steps",
@@ -67,7 +67,7 @@ def preflight(cfg: RunConfig, strategy: str = "diloco") -> None:
     pick_device(cfg.inner.device)
     check_metric_logger(cfg.logging.metrics)
     if strategy == "edt":
-        from train.core.evolution import fitness_function
+        from train.edt.genes import fitness_function
         fitness_function(cfg.edt.fitness)
 
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from train.core.config import REPO_ROOT, ConfigError, load_config
+from train.config import REPO_ROOT, ConfigError, load_config
 from train.launch.machines import Machine
 from train.launch.procs import worker_argv
 from train.launch.remote import MARK, code_fingerprint
 from train.launch.ssh import CommandTimeout, Connection, SSHError, SSHOptions, connect, parallel
 from train.core.store import sha256_file
-from train.core.strategies import strategy as get_strategy
+from train.config.strategies import strategy as get_strategy
 
 log = logging.getLogger("launcher")
 

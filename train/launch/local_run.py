@@ -1,7 +1,7 @@
 """One box, any strategy: N worker processes plus the coordinator on one BASE_DIR, the cluster's code path.
 
 Both simulators are this function with a strategy name. Every role is a real OS process, as on a cluster: the
-workers (`python -m <worker module>`, see train/core/strategies.py; their output in logs/worker-NNN.log) and the
+workers (`python -m <worker module>`, see train/config/strategies.py; their output in logs/worker-NNN.log) and the
 coordinator (`python -m diloco` / `python -m edt` with the same config and overrides; its progress bars and lines on
 this terminal). This process only starts, watches and stops them, so any of them may die and be restarted alone:
 
@@ -26,12 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-from train.core.config import RunConfig
+from train.config import RunConfig
 from train.core.errors import EXIT_USER_ERROR, WorkerDied
 from train.core.coordinator_lease import STATUS_WAITING, coordinator_lease_path
 from train.launch.procs import LocalProcess, LocalWorkers, child_env, stop_all
 from train.core.store import RunPaths, prepare_run_dir, read_json, read_jsonl
-from train.core.strategies import Strategy
+from train.config.strategies import Strategy
 
 log = logging.getLogger("local_run")
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.core.config import ConfigError, bad_value, coerce_value, field_types, doc, read_json_file
+from train.config import ConfigError, bad_value, coerce_value, field_types, doc, read_json_file
 
 @dataclass(kw_only=True)
 class Machine:

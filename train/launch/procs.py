@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from train.core.config import REPO_ROOT
+from train.config import REPO_ROOT
 from train.core.heartbeat import parent_died
 from train.core.errors import (EXIT_NOTE_ENV, EXIT_USER_ERROR, EnvironmentProblem,  # noqa: F401  (raised here)
                                WorkerDied)

@@ -1,6 +1,6 @@
 """What the entry points run for each strategy, as a static table (the imports are real, so the structure test
 sees them): the coordinator class and the one-line summary a run starts with. The process-level facts (which
-module runs a worker, whether a worker may be a torchrun group) are in train/core/strategies.py, which the workers'
+module runs a worker, whether a worker may be a torchrun group) are in train/config/strategies.py, which the workers'
 own entry point reads without importing any strategy."""
 from __future__ import annotations
 

@@ -39,10 +39,11 @@ import sys
 import time
 from pathlib import Path
 
-from train.core.config import load_config
+from train.config import load_config
 from train.core.errors import UserError
 from train.core.coordinator_lease import coordinator_lease_path
-from train.core.store import RunPaths, atomic_write_json, read_json, read_jsonl, sha256_file
+from train.core.store import atomic_write_json, read_json, read_jsonl, sha256_file
+from train.diloco.store import DiLoCoPaths
 from train.launch.procs import supervised_argv
 
 MARK = "EDT-JSON "
@@ -95,15 +96,15 @@ def state_of(rec: dict) -> str:
 
 
 # -- paths ------------------------------------------------------------------------------------------------------------
-def record_path(paths: RunPaths, role: str) -> Path:
+def record_path(paths: DiLoCoPaths, role: str) -> Path:
     return paths.root / "launch" / f"{role}.json"
 
 
-def log_path(paths: RunPaths, role: str) -> Path:
+def log_path(paths: DiLoCoPaths, role: str) -> Path:
     return paths.logs / f"{role}.log"
 
 
-def records(paths: RunPaths, machine: str | None = None) -> dict[str, dict]:
+def records(paths: DiLoCoPaths, machine: str | None = None) -> dict[str, dict]:
     out = {}
     folder = paths.root / "launch"
     for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -127,7 +128,7 @@ def tail(path: Path, n: int) -> list[str]:
 
 
 # -- commands ---------------------------------------------------------------------------------------------------------
-def cmd_start(a, paths: RunPaths, cfg) -> int:
+def cmd_start(a, paths: DiLoCoPaths, cfg) -> int:
     role = a.role[0]
     restarts = a.max_restarts if a.max_restarts >= 0 else cfg.outer.max_restarts
     name = "the coordinator" if role == "coordinator" else role.replace("-", " ")
@@ -172,7 +173,7 @@ def cmd_start(a, paths: RunPaths, cfg) -> int:
     return answer({**rec, "state": "running", "reused": False})
 
 
-def lease_of(paths: RunPaths, role: str) -> dict | None:
+def lease_of(paths: DiLoCoPaths, role: str) -> dict | None:
     """The role's lease (train/core/heartbeat.py): workers/wXXX/progress.json, coordinator/progress.json."""
     if role == "coordinator":
         f = coordinator_lease_path(paths.root)
@@ -187,7 +188,7 @@ def lease_of(paths: RunPaths, role: str) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
-def progress_of(paths: RunPaths, role: str) -> dict:
+def progress_of(paths: DiLoCoPaths, role: str) -> dict:
     p = lease_of(paths, role)
     if p is None:
         return {}
@@ -212,7 +213,7 @@ def restarts_in_log(path: Path) -> int:
     return n
 
 
-def health(rec: dict, paths: RunPaths, role: str, state: str) -> dict:
+def health(rec: dict, paths: DiLoCoPaths, role: str, state: str) -> dict:
     """What `status` adds to running / stopped: the supervisor's state, its restarts, and how a process that
     nobody stopped ended (its lease's last record; a SIGKILL or a killed supervisor writes none)."""
     out: dict = {}
@@ -247,7 +248,7 @@ def health(rec: dict, paths: RunPaths, role: str, state: str) -> dict:
     return out
 
 
-def cmd_status(a, paths: RunPaths, cfg) -> int:
+def cmd_status(a, paths: DiLoCoPaths, cfg) -> int:
     recs = records(paths)
     roles = list(dict.fromkeys(a.role + [r for r, rec in recs.items() if rec.get("machine") == a.machine]))
     out = []
@@ -271,7 +272,7 @@ def cmd_status(a, paths: RunPaths, cfg) -> int:
     return answer({"processes": out, "run": run, "hostname": socket.gethostname()})
 
 
-def cmd_stop(a, paths: RunPaths) -> int:
+def cmd_stop(a, paths: DiLoCoPaths) -> int:
     recs = {r: rec for r, rec in records(paths, a.machine).items() if not a.role or r in a.role}
     live = {r: rec for r, rec in recs.items() if state_of(rec) == "running"}
     for rec in live.values():
@@ -339,7 +340,7 @@ class LogFollower:
         return out
 
 
-def cmd_logs(a, paths: RunPaths) -> int:
+def cmd_logs(a, paths: DiLoCoPaths) -> int:
     follower = LogFollower({r: log_path(paths, r) for r in a.role})
     for role, ln in follower.last(a.lines):
         print(f"{role}\t{ln}")
@@ -365,7 +366,7 @@ def code_fingerprint(root: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def cmd_preflight(a, paths: RunPaths, cfg) -> int:
+def cmd_preflight(a, paths: DiLoCoPaths, cfg) -> int:
     info: dict = {"hostname": socket.gethostname(), "python": sys.executable, "python_version": sys.version.split()[0],
                   "cwd": os.getcwd(), "config_sha256": sha256_file(a.config), "run_dir": str(paths.root),
                   "code": code_fingerprint(Path(__file__).resolve().parents[2])}
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(a: argparse.Namespace) -> int:
     cfg = load_config(a.config, a.set)
-    paths = RunPaths(cfg.run_dir)
+    paths = DiLoCoPaths(cfg.run_dir)
     if any(not r.replace("-", "").isalnum() for r in a.role):
         return answer({"error": f"bad role name in {a.role}"}, 2)
     if a.command == "start":

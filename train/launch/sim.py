@@ -8,7 +8,7 @@ import logging
 
 def sim_main(strategy: str, doc: str) -> int:
     from train.core.model import quiet_transformers
-    from train.core.strategies import STRATEGIES
+    from train.config.strategies import STRATEGIES
     from train.launch.registry import RUNS
     from train.launch.cli import ARGS, load_from_args, preflight
     from train.launch.local_run import run_local

@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.core.config import REPO_ROOT, ConfigError, load_config
+from train.config import REPO_ROOT, ConfigError, load_config
 from train.core.errors import EnvironmentProblem, UserError
 from train.core.store import RunPaths, atomic_write_bytes, atomic_write_json, read_json, read_jsonl
-from train.core.strategies import strategy as get_strategy
+from train.config.strategies import strategy as get_strategy
 from train.launch.procs import supervised_argv, worker_argv
 
 log = logging.getLogger("launcher")

@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from train.core.config import ConfigError
+from train.config import ConfigError
 from train.core.store import atomic_write_json
 from train.launch.remote import LogFollower, progress_of, tail
 from train.launch.slurm import LIVE_STATES, RECORD, SlurmLauncher, job_state, job_steps, run_slurm

@@ -29,7 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file (torchrun train/launch/train_fsdp.py): import the package from the repo
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from train.core.config import REPO_ROOT, ConfigError, RunConfig, load_config, parse_override  # noqa: E402
+from train.config import REPO_ROOT, ConfigError, RunConfig, load_config, parse_override  # noqa: E402
 
 log = logging.getLogger("train_fsdp")
 
@@ -275,10 +275,10 @@ def plan(argv: list[str], world: int = 1) -> tuple[argparse.Namespace, str, list
 def start_coordinator(path: str, ovs: list[str], cfg: RunConfig) -> subprocess.Popen:
     """`python -m diloco` with the same config, in its own process group, stopped with us (logs/coordinator.log)."""
     from train.launch.procs import die_with_parent
-    from train.core.store import RunPaths
-    from train.core.strategies import STRATEGIES
+    from train.diloco.store import DiLoCoPaths
+    from train.config.strategies import STRATEGIES
 
-    logf = RunPaths(cfg.run_dir).logs / "coordinator.log"
+    logf = DiLoCoPaths(cfg.run_dir).logs / "coordinator.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", STRATEGIES["diloco"].coordinator_module, "--config", path,
            *[x for o in ovs for x in ("--set", o)], "--no-progress"]

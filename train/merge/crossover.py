@@ -6,7 +6,7 @@ Three methods (EDT generation, docs/edt.md):
   started their mutation from), their mutated weights θ'_a, θ'_b and their outer momenta m_a, m_b:
       base = (θ_a + θ_b) / 2
       Δ    = ((θ'_a − base) + (θ'_b − base)) / 2          the pseudo-gradient: mean move of the parents
-      child, m = SGD-Nesterov step on `base` with gradient −Δ (DiLoCo's sign: train.core.outer) from momentum (m_a +
+      child, m = SGD-Nesterov step on `base` with gradient −Δ (DiLoCo's sign: train.exchange.outer) from momentum (m_a +
       m_b)/2
   With lr 1 and momentum 0 the child is the mean of the mutated parents; an elite (paired with itself) takes exactly
   a one-worker DiLoCo step.
@@ -34,7 +34,7 @@ from typing import Mapping
 import torch
 from safetensors import safe_open
 
-from train.core.outer import outer_step_tensor
+from train.exchange.outer import outer_step_tensor
 from train.core.tensorio import SequentialReader, StreamingWriter
 
 DOT_THRESHOLD = 0.9995  # mergekit's: above it the two directions are treated as colinear (lerp)

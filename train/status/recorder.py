@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from train.core import sharedfs
-from train.core.store import RunPaths, append_jsonl, read_json
+from train.core.store import append_jsonl, read_json
+from train.diloco.store import DiLoCoPaths
 from train.status.timeline import (DELTA_FIELDS, JOURNAL, PICTURE, build_timeline, gen_committed_time, live_results,
                                    read_journal)
 
@@ -47,7 +48,7 @@ class TimelineRecorder:
     # -- DiLoCo: round r closed (θ_{r+1} committed); call before rounds are pruned ------------------------------------
     def round_closed(self, r: int) -> None:
         try:
-            paths, seen = RunPaths(self.root), self._journal_keys()
+            paths, seen = DiLoCoPaths(self.root), self._journal_keys()
             deltas = []
             for q in (r - 1, r):  # r - 1: a late delta published after its round closed
                 d = paths.deltas_dir(q)

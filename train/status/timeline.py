@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from train.core import sharedfs
-from train.core.store import RunPaths, read_json, read_jsonl
+from train.core.store import read_json, read_jsonl
+from train.diloco.store import DiLoCoPaths
 
 JOURNAL = "timeline.jsonl"
 PICTURE = "timeline.png"
@@ -142,7 +143,7 @@ def supervisor_events(log_text: str) -> list[Mark]:
     return out
 
 
-def live_deltas(paths: RunPaths, rounds: list[int]) -> list[dict]:
+def live_deltas(paths: DiLoCoPaths, rounds: list[int]) -> list[dict]:
     """Sidecars of the given rounds that are on disk now (the rounds not yet in the journal)."""
     out = []
     for r in rounds:
@@ -172,7 +173,7 @@ def _close_times(metrics: list[dict], key: str) -> dict[int, float]:
 
 
 def _diloco_timeline(root: Path, now: float) -> Timeline:
-    paths = RunPaths(root)
+    paths = DiLoCoPaths(root)
     metrics = read_jsonl(paths.metrics)
     recs = {int(m["round"]): m for m in metrics if "round" in m}
     closes = _close_times(metrics, "round")     # θ_k committed at closes[k]: delta round k - 1 closed
@@ -240,7 +241,7 @@ def _worker_segments(lane: Lane, mine: list[dict], closes: dict[int, float]) -> 
             lane.segments.append(Segment(prev["_pub_end"], close, "waiting", int(prev["round"])))
 
 
-def _worker_marks(lane: Lane, paths: RunPaths, w: int, recs: dict[int, dict], layout: dict,
+def _worker_marks(lane: Lane, paths: DiLoCoPaths, w: int, recs: dict[int, dict], layout: dict,
                   closes: dict[int, float]) -> None:
     name = lane.name
     lane.marks += supervisor_events(log_tail(paths.worker_log(w)))
@@ -308,7 +309,7 @@ def _coordinator_lane(recs: dict[int, dict]) -> Lane:
 
 
 def _edt_timeline(root: Path, now: float) -> Timeline:
-    paths = RunPaths(root)
+    paths = DiLoCoPaths(root)
     metrics = read_jsonl(paths.metrics)
     recs = {int(m["generation"]): m for m in metrics if "generation" in m}
     jobs: dict[tuple[int, int], dict] = {}

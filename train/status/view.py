@@ -21,7 +21,8 @@ from pathlib import Path
 from train.core import sharedfs
 from train.core.errors import NotFound
 from train.core.heartbeat import boot_id, pid_alive
-from train.core.store import RunPaths, read_json, read_jsonl
+from train.core.store import read_json, read_jsonl
+from train.diloco.store import DiLoCoPaths
 from train.status.timeline import build_timeline, live_deltas, log_tail, read_layout, read_progress, strategy_of
 
 RECENT = 5  # rounds / generations in the table
@@ -42,14 +43,14 @@ class Liveness:
         return now - old[1]
 
 
-def check_run(root: Path) -> RunPaths:
-    paths = RunPaths(root)
+def check_run(root: Path) -> DiLoCoPaths:
+    paths = DiLoCoPaths(root)
     if not sharedfs.exists(paths.run_json):
         raise NotFound(f"{root}: not a run folder (no run.json); pass BASE_DIR/<project_name> of a DiLoCo or EDT run")
     return paths
 
 
-def _config(paths: RunPaths) -> dict:
+def _config(paths: DiLoCoPaths) -> dict:
     try:
         return read_json(paths.config_json) if sharedfs.exists(paths.config_json) else {}
     except (OSError, ValueError):
@@ -93,7 +94,7 @@ def worker_state(rec: dict, has_delta: bool) -> str:
     return st or "not started"
 
 
-def restarts_of(paths: RunPaths, w: int) -> int:
+def restarts_of(paths: DiLoCoPaths, w: int) -> int:
     """Restarts its supervisor made (the `restart k/N` lines in the worker's log)."""
     return sum(1 for ln in log_tail(paths.worker_log(w)).splitlines() if "; restart " in ln and " exited with " in ln
                or "was killed by signal" in ln and "restarting" in ln)
@@ -186,7 +187,7 @@ def gather(root: str | Path, now: float | None = None, live: Liveness | None = N
             "time": now}
 
 
-def _last_delta(paths: RunPaths, w: int, lane, strategy: str) -> dict:
+def _last_delta(paths: DiLoCoPaths, w: int, lane, strategy: str) -> dict:
     """The round of the worker's last published delta (EDT: generation of its last job) and its tok/s."""
     if strategy == "edt":
         segs = [s for s in (lane.segments if lane else []) if s.state == "compute" and s.label != "open"]

@@ -1,14 +1,14 @@
 """The configuration reference: the table of every key of evolution.json with its default, its prototype alias and its
-doc, generated from the schema (`python -m train.core.config --markdown`; scripts/update_config_doc.py puts it into
+doc, generated from the schema (`python -m train.config --markdown`; scripts/update_config_doc.py puts it into
 docs/config.md, tests/unit/test_docs.py checks that it is current)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 
-from train.core.config_fields import field_types
-from train.core.config_legacy import LEGACY_KEYS
-from train.core.config_schema import RunConfig
+from train.config.fields import field_types
+from train.config.legacy import LEGACY_KEYS
+from train.config.schema import RunConfig
 
 
 def reference_markdown() -> str:

@@ -1,11 +1,11 @@
 """The schema of the two training loops: `inner` (each worker's AdamW / Muon steps) and `outer` (the DiLoCo round:
-the outer step, the exchange over BASE_DIR, elastic membership). Part of RunConfig (train/core/config_schema.py)."""
+the outer step, the exchange over BASE_DIR, elastic membership). Part of RunConfig (train/config/schema.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from train.core.config_fields import bad_value, check_choice, check_range, doc
+from train.config.fields import bad_value, check_choice, check_range, doc
 
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
@@ -184,7 +184,7 @@ class OuterConfig:
                              "exactly); a host-local path (`~` and {worker} allowed) keeps it off the shared disk (a "
                              "restart on the same host resumes exactly; on another host it resumes with fresh "
                              "moments and no residual, and logs that).")
-    lr_schedule: str = doc("constant", "Outer learning rate over the rounds (train/core/outer.py outer_lr_at): "
+    lr_schedule: str = doc("constant", "Outer learning rate over the rounds (train/exchange/outer.py outer_lr_at): "
                                        "constant (`lr` every round) or warmup (linear from lr / W to lr over the "
                                        "first W = `lr_warmup_rounds` rounds, then `lr`).")
     lr_warmup_rounds: int = doc(0, "W: rounds of outer-lr warmup when lr_schedule = warmup.")

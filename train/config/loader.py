@@ -1,7 +1,7 @@
-"""One loader: evolution.json + KEY=VALUE overrides -> a validated RunConfig (train/core/config_schema.py).
+"""One loader: evolution.json + KEY=VALUE overrides -> a validated RunConfig (train/config/schema.py).
 
 Loading rejects unknown keys (suggesting the closest one), wrong types and out-of-range values with
-`ConfigError: <file>: <field> = <value>: <what is allowed>`. A prototype alias (train/core/config_legacy.py) is mapped
+`ConfigError: <file>: <field> = <value>: <what is allowed>`. A prototype alias (train/config/legacy.py) is mapped
 to its dotted key on the way in and then coerced and validated exactly as that key; an error about it names the key
 as the user wrote it first (`evolution.json: POPULATION_SIZE: edt.population_size = -1: must be >= 0`). Nothing here
 touches the disk at import time.
@@ -18,12 +18,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from train.core import config_legacy as legacy
-from train.core.config_fields import FieldError, bad_value, field_types
-from train.core.config_legacy import LEGACY_KEYS
-from train.core.config_schema import REPO_ROOT, RunConfig
+from train.config import legacy
+from train.config.fields import FieldError, bad_value, field_types
+from train.config.legacy import LEGACY_KEYS
+from train.config.schema import REPO_ROOT, RunConfig
 from train.core.errors import ConfigError
-from train.core.strategies import STRATEGIES  # what load_config's `strategy` may be (it names the default project)
+from train.config.strategies import STRATEGIES  # what load_config's `strategy` may be (it names the default project)
 
 DEFAULT_CONFIG = "evolution.json"
 log = logging.getLogger("config")

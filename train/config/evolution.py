@@ -1,12 +1,12 @@
 """The schema of evolution: `edt` (population, selection, crossover, mutation of EDT in both modes) and `evomerge`
 (EDT in post-training mode: merge methods, SFT mutation, fitness tasks). Part of RunConfig
-(train/core/config_schema.py)."""
+(train/config/schema.py)."""
 from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
 
-from train.core.config_fields import bad_value, check_choice, check_range, check_span, doc
+from train.config.fields import bad_value, check_choice, check_range, check_span, doc
 
 
 @dataclass(kw_only=True)
@@ -51,7 +51,7 @@ class EDTConfig:
     max_attempts: int = doc(3, "Claims of one job (a job whose workers keep dying) before its slot is refilled by "
                                "selection: a copy of a finished member of the same generation (docs/elastic.md).")
 
-    # gene name -> (lowest allowed, highest allowed); see train/core/evolution.py GENES for what each one drives.
+    # gene name -> (lowest allowed, highest allowed); see train/edt/genes.py GENES for what each one drives.
     GENE_LIMITS: typing.ClassVar[dict] = {"inner_lr": (1e-6, 1e3), "outer_lr": (1e-6, 10.0),
                                           "outer_momentum": (0.0, 0.999), "data_mix": (0.0, 1.0)}
 

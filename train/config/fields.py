@@ -1,5 +1,5 @@
 """The building blocks of a config dataclass: a field with its default and doc, and the checks that name the field,
-the value and what is allowed (the schema, train/core/config_schema.py, and machines.json's Machine use them)."""
+the value and what is allowed (the schema, train/config/schema.py, and machines.json's Machine use them)."""
 from __future__ import annotations
 
 import json

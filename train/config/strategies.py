@@ -3,7 +3,7 @@
 The simulators (diloco_sim.py, edt_sim.py), the SSH launcher (train/launch/launcher.py), the torchrun CLI
 (train/launch/train_fsdp.py) and the coordinator scripts (diloco.py, edt.py) look a strategy up here instead of naming
 its modules themselves. Every process is started as a module (`python -m <module>`), never by a file path.
-It names modules only (the strings `python -m` takes) and imports nothing: train/core/config_loader.py and the
+It names modules only (the strings `python -m` takes) and imports nothing: train/config/loader.py and the
 workers' entry point read it. What a strategy runs in-process (its coordinator class, its summary line) is the
 static table of train/launch/registry.py.
 """

@@ -1,7 +1,7 @@
 """The research prototypes' evolution.json, still accepted: their flat upper-case keys as aliases of ours, the keys
 that no longer mean anything, and the EvoMerge prototype's convention for its mode.
 
-An alias is only another spelling: the loader (train/core/config_loader.py) maps it to its dotted key, and the value
+An alias is only another spelling: the loader (train/config/loader.py) maps it to its dotted key, and the value
 then goes through exactly the coercion and validation of that key, its errors naming the key as the user wrote it
 (`POPULATION_SIZE: edt.population_size = -1: must be >= 0`). What this module adds is what the prototypes meant
 where our key means more (PROTOTYPE_SENTINELS), and notes where a prototype's value reads differently here.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from train.core.config_fields import FieldError
-from train.core.config_schema import RunConfig
+from train.config.fields import FieldError
+from train.config.schema import RunConfig
 from train.core.errors import ConfigError
 
 # The research prototype's flat keys -> our dotted names.

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from train.core.config_fields import bad_value
+from train.config.fields import bad_value
 
 KEY = "evomerge.initial_recipe"
 TASK_VECTOR = ("task_arithmetic", "ties", "dare_linear", "dare_ties")   # merge model - base

@@ -1,8 +1,8 @@
 """The schema of a run's configuration (`evolution.json`): keyword-only dataclasses, one per section, each field with
 its default and a one-line doc (`doc(default, "...")`), each section with a `validate(prefix)` that raises a
 FieldError naming the field, the value and what is allowed. RunConfig is the root; the sections of the training
-loops (inner, outer) are in train/core/config_training.py, those of evolution (edt, evomerge) in
-train/core/config_evolution.py. Loading a file into it: train/core/config_loader.py."""
+loops (inner, outer) are in train/config/training.py, those of evolution (edt, evomerge) in
+train/config/evolution.py. Loading a file into it: train/config/loader.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +11,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.core.config_evolution import EDTConfig, EvoMergeConfig
-from train.core.config_fields import bad_value, check_choice, check_range, doc
-from train.core.config_recipe import apply_initial_recipe
-from train.core.config_training import InnerConfig, OuterConfig
+from train.config.evolution import EDTConfig, EvoMergeConfig
+from train.config.fields import bad_value, check_choice, check_range, doc
+from train.config.training import InnerConfig, OuterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,6 +112,7 @@ class RunConfig:
                             "must be a folder path: the folder runs live in, on a disk every machine sees (e.g. "
                             "/mnt/shared/edt_run), or \".\" for the config file's folder")
         if self.evomerge.initial_recipe:  # a mergekit YAML's models, before the sections check them
+            from train.evomerge.recipe import apply_initial_recipe  # EvoMerge's reader (the only wing config asks)
             apply_initial_recipe(self)
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
