@@ -21,7 +21,7 @@ from typing import Any
 from train.config import legacy
 from train.config.fields import FieldError, bad_value, field_types
 from train.config.legacy import LEGACY_KEYS
-from train.config.schema import REPO_ROOT, RunConfig
+from train.config.schema import RunConfig, is_packaged_default, shipped_root
 from train.core.errors import ConfigError
 from train.config.strategies import STRATEGIES  # what load_config's `strategy` may be (it names the default project)
 
@@ -215,12 +215,23 @@ def config_path(given: str) -> str:
     folder each starts in (the simulators start workers in the repo; the launcher on other hosts). A relative
     `--config` is relative to the folder the command was run in; relative paths *inside* the config are relative
     to the config file's folder (then to the repo, for the shipped data and configs: RunConfig.resolve_path).
-    The default `evolution.json` falls back to the repo's when the current folder has none."""
+    The default `evolution.json` falls back to the repo's (or, installed from a wheel, the package's copy of it)
+    when the current folder has none; neither there is a ConfigError saying what to do."""
     p = os.path.abspath(os.path.expanduser(given))
-    if given == DEFAULT_CONFIG and not os.path.exists(p) and (REPO_ROOT / DEFAULT_CONFIG).is_file():
-        log.info("no %s in %s: using the repo's %s", given, os.getcwd(), REPO_ROOT / DEFAULT_CONFIG)
-        return str(REPO_ROOT / DEFAULT_CONFIG)
-    return p
+    if given != DEFAULT_CONFIG or os.path.exists(p):
+        return p
+    root = shipped_root()
+    shipped = root / DEFAULT_CONFIG
+    if not shipped.is_file():
+        raise ConfigError(f"{DEFAULT_CONFIG}: not in {os.getcwd()} nor in {root}: this install lacks the embedded "
+                          f"default; pass --config PATH (a copy of the repo's evolution.json), or reinstall with "
+                          f"`pip install .` from a checkout")
+    if is_packaged_default(root):
+        log.info("no %s in %s: using the installed package's default %s (runs go to this folder's runs/)",
+                 given, os.getcwd(), shipped)
+    else:
+        log.info("no %s in %s: using the repo's %s", given, os.getcwd(), shipped)
+    return str(shipped)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,

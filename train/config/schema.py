@@ -15,7 +15,24 @@ from train.config.evolution import EDTConfig, EvoMergeConfig
 from train.config.fields import bad_value, check_choice, check_range, doc
 from train.config.training import InnerConfig, OuterConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout (site-packages when installed from a wheel)
+# A wheel carries the embedded default here (setup.py's build step), laid out as in the checkout: evolution.json,
+# configs/, data/corpus/, data/tokenizer/. A checkout (or an editable install) has no such folder.
+PACKAGED_DEFAULTS = Path(__file__).resolve().parents[1] / "_shipped"
+# the shipped defaults a config names by relative path (a missing one is an incomplete install, not a hub id)
+SHIPPED_DEFAULTS = ("configs/tiny-llama.json", "data/tokenizer", "data/corpus")
+
+
+def shipped_root() -> Path:
+    """The folder that holds the embedded default (evolution.json, configs/, data/): the wheel's copy inside the
+    package when installed from one, else the checkout."""
+    return PACKAGED_DEFAULTS if (PACKAGED_DEFAULTS / "evolution.json").is_file() else REPO_ROOT
+
+
+def is_packaged_default(folder: Path) -> bool:
+    """Whether `folder` is the installed package's copy of the defaults (read-only to a run: its relative BASE_DIR
+    means the folder the command was run in, not site-packages)."""
+    return folder == PACKAGED_DEFAULTS and PACKAGED_DEFAULTS.is_dir()
 
 
 @dataclass(kw_only=True)
@@ -142,29 +159,51 @@ class RunConfig:
     # -- derived values -------------------------------------------------------------------------------------------
     @property
     def config_dir(self) -> Path:
-        return Path(self.source).resolve().parent if self.source != "<defaults>" else REPO_ROOT
+        return Path(self.source).resolve().parent if self.source != "<defaults>" else shipped_root()
 
     def resolve_path(self, value: str) -> str:
-        """A relative path that exists next to the config (or in the repo) becomes absolute; else unchanged."""
+        """A relative path that exists next to the config (or in the shipped defaults: the repo, or the installed
+        package's copy) becomes absolute; else unchanged (a hub id). A shipped default found in neither is a
+        ConfigError naming it: the install lacks the embedded default."""
         if not value or os.path.isabs(value):
             return value
-        for root in (self.config_dir, REPO_ROOT):
+        roots = dict.fromkeys((self.config_dir, shipped_root()))
+        for root in roots:
             cand = root / value
             if cand.exists() or any(ch in value for ch in "*?["):
                 return str(cand)
+        norm = Path(value).as_posix().removeprefix("./")
+        where = " nor in ".join(map(str, roots))
+        if norm in SHIPPED_DEFAULTS:
+            from train.core.errors import ConfigError
+            raise ConfigError(f"{value}: not found in {where}: it is part of the embedded default (evolution.json, "
+                              f"configs/, data/corpus/, data/tokenizer/), which this install lacks; run from a "
+                              f"checkout of the repo, or reinstall with `pip install .` from one, or point the "
+                              f"config at your own model / tokenizer / data")
+        if norm.startswith("configs/") and norm.endswith(".json"):  # a model config in the shipped folder's place
+            from train.core.errors import ConfigError
+            raise ConfigError(f"{value}: no such file in {where} (a relative path is read from the config file's "
+                              f"folder, then from the shipped defaults'): fix the path or give an absolute one")
         return value
 
     @property
     def run_dir(self) -> Path:
         base = Path(os.path.expanduser(self.base_dir))
         if not base.is_absolute():
-            base = Path(os.path.normpath(self.config_dir / base))  # configs/../runs -> runs
+            # the installed package's default config: a relative BASE_DIR is the current folder's (never
+            # site-packages); default_overrides hands the absolute path to the run's other processes
+            root = Path.cwd() if is_packaged_default(self.config_dir) else self.config_dir
+            base = Path(os.path.normpath(root / base))  # configs/../runs -> runs
         return base / self.project_name
 
     def default_overrides(self) -> list[str]:
         """Values derived from the strategy rather than given by the user, as overrides: pass them to every process
-        of the run (workers, remote helpers) so that they agree whatever strategy they load the config with."""
-        return [] if "project_name" in self.user_keys else [f"project_name={self.project_name}"]
+        of the run (workers, remote helpers) so that they agree whatever strategy they load the config with (and
+        wherever they start: the BASE_DIR of the installed package's default config is made absolute)."""
+        out = [] if "project_name" in self.user_keys else [f"project_name={self.project_name}"]
+        if is_packaged_default(self.config_dir) and not os.path.isabs(os.path.expanduser(self.base_dir)):
+            out.append(f"base_dir={self.run_dir.parent}")
+        return out
 
     @property
     def total_inner_steps(self) -> int:

@@ -64,6 +64,8 @@ def preflight(cfg: RunConfig, strategy: str = "diloco") -> None:
     from train.core.logs import check_metric_logger
     from train.core.model import pick_device
 
+    for value in (cfg.model.name, cfg.model.tokenizer, cfg.data.dataset):  # a missing shipped default, a typo
+        cfg.resolve_path(value)
     pick_device(cfg.inner.device)
     check_metric_logger(cfg.logging.metrics)
     if strategy == "edt":
@@ -77,6 +79,8 @@ def load_from_args(args: argparse.Namespace, strategy: str = "diloco") -> tuple[
     args.config = config_path(args.config)
     ovs = overrides_from(args)
     cfg = load_config(args.config, ovs, strategy=strategy)
+    from train.core import sharedfs
+    sharedfs.configure_from(cfg.outer)  # this process's BASE_DIR policy (io_retry_s, disk_full_wait_s)
     return cfg, ovs + cfg.default_overrides()
 
 
