@@ -6,7 +6,7 @@
 
 Each configuration is one real run of the cluster path (README): a coordinator `python diloco.py` and N workers
 `python -m train.diloco.worker`, all started at once with the same config and overrides, each process with its own
-BASE_DIR mount of one backing directory (bench/throttlefs.py through tests/fusefs.py, no bandwidth cap): each process
+BASE_DIR mount of one backing directory (bench/throttlefs.py via tests/helpers/fusefs.py, uncapped): each process
 is its own NFS client whose kernel caches the names it looked up, found or not, for the TTL (NFS lookupcache=all;
 30-60 s on a default NFS mount). The plain-disk run uses the backing directory itself. Printed, as a markdown table:
 the wall time of each run (all processes started until all exited; process start-up, about 15 s on 2 cores, is in
@@ -19,7 +19,7 @@ the plain-disk run's, tensor by tensor ("identical" / "DIFFERS").
 Target (issue #24): TTL 30 s at most 1.2x the plain disk, and the same final model. Processes train with one thread
 each (`--threads 1`, OMP_NUM_THREADS=1), so all runs compute the same numbers; a difference means the protocol
 changed the result under caching (a worker dropped from a round, a stale file read). Needs FUSE (/dev/fuse, libfuse2,
-fusepy; tests/fusefs.py says what is missing). Writes bench/results/nfs.json.
+fusepy; tests/helpers/fusefs.py says what is missing). Writes bench/results/nfs.json.
 """
 from __future__ import annotations
 
@@ -39,8 +39,7 @@ from pathlib import Path
 
 from common import REPO, save_result
 
-sys.path.insert(0, str(REPO / "tests"))
-from fusefs import fuse_skip_reason, nfs_mount  # noqa: E402  (tests/fusefs.py: one FUSE mount per process)
+from tests.helpers.fusefs import fuse_skip_reason, nfs_mount  # one FUSE mount per process (common put REPO on sys.path)
 
 PROJECT = "nfs"
 

@@ -6,7 +6,7 @@
 
 Every read and write of a file under MOUNTPOINT goes through the kernel's FUSE layer to this process, which forwards
 it to BACKING_DIR. One mount per process stands for one machine: several mounts of one backing directory are
-several NFS clients of one server (bench/nfs.py, tests/fusefs.py).
+several NFS clients of one server (bench/nfs.py, tests/helpers/fusefs.py).
 
 Bandwidth (`--mbps`, 0 = no cap): reads and writes take their bytes from one token bucket (one NFS link); metadata
 operations are not slowed. Writes are not cached by the kernel (the default for FUSE without writeback caching) and

@@ -13,8 +13,8 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, tiny_config
-from helpers_proc import kill_sim_at_random_moments, run_script, script_cmd, wait_until
+from tests.helpers import REPO, tiny_config
+from tests.helpers.proc import kill_sim_at_random_moments, run_script, script_cmd, wait_until
 from train.config import build_config
 from train.core.store import atomic_write_json, read_json, read_jsonl, verify_manifest
 from train.diloco.store import DiLoCoPaths

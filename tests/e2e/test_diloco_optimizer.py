@@ -9,8 +9,8 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import REPO, tiny_config
-from helpers_proc import script_cmd
+from tests.helpers import REPO, tiny_config
+from tests.helpers.proc import script_cmd
 from train.diloco.optimizer import DiLoCoOptimizer, load_global
 from train.exchange.outer import outer_step
 from train.core.store import ProtocolError, read_jsonl, verify_manifest
@@ -160,15 +160,15 @@ def test_a_late_worker_is_left_out_then_rejoins_and_a_missing_reducer_times_out(
 @pytest.mark.slow
 def test_two_worker_processes_match_the_coordinator_run(tmp_path):
     """The same micro Llama, data shards, AdamW schedule and clipping as `python -m train.diloco.worker`: the user loop
-    of tests/diloco_opt_worker.py in two processes gives diloco_sim.py's global model of every kept round, bit for
-    bit (same float operations in the same order: the shared reduce of train/exchange/reduce.py, torch SGD =
+    of tests/helpers/diloco_opt_worker.py in two processes gives diloco_sim.py's global model of every kept round, bit
+    for bit (same float operations in the same order: the shared reduce of train/exchange/reduce.py, torch SGD =
     outer.py)."""
     cfg = tmp_path / "evolution.json"
     cfg.write_text(json.dumps(tiny_config(tmp_path / "runs", data={"fake_data": True, "fake_tokens": 20000},
                                           outer={"rounds": 3, "local_steps": 4}, logging={"plot": False})))
     # Both runs at once (the optimizer's workers wait for the token cache the coordinator writes, then read it).
     # Threads pinned on both sides (script_cmd): the same float operations, bit for bit, on any machine.
-    procs = [subprocess.Popen(script_cmd("tests/diloco_opt_worker.py", str(cfg), str(w), str(tmp_path / "opt")),
+    procs = [subprocess.Popen(script_cmd("tests/helpers/diloco_opt_worker.py", str(cfg), str(w), str(tmp_path / "opt")),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO) for w in (0, 1)]
     try:
         ref = subprocess.run(script_cmd("diloco_sim.py", "--config", str(cfg)), capture_output=True, text=True,

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from conftest import REPO, pin_threads, tiny_config
-from helpers_proc import kill_all, run_script, start_script, wait_until
+from tests.helpers import REPO, pin_threads, tiny_config
+from tests.helpers.proc import kill_all, run_script, start_script, wait_until
 from train.edt.store import EDTPaths
 from train.edt.protocol import (holds_claim, publish_once, renew_lease, requeue, stale_count,
                                 tmp_member_dir, try_claim)

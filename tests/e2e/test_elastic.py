@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from conftest import REPO
-from helpers_proc import kill_all, script_cmd, start_script, wait_until, progress_of
+from tests.helpers import REPO
+from tests.helpers.proc import kill_all, script_cmd, start_script, wait_until, progress_of
 from train.config import build_config
 from train.core.store import read_json, read_jsonl, verify_manifest
 from train.diloco.store import DiLoCoPaths

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
-from helpers_proc import run_script, start_script
+from tests.helpers import REPO
+from tests.helpers.proc import run_script, start_script
 from train.core.store import read_jsonl, verify_manifest
 from train.diloco.store import DiLoCoPaths
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    from conftest import tiny_config
+    from tests.helpers import tiny_config
     tmp = tmp_path_factory.mktemp("e2e")
     cfg = tmp / "evolution.json"
     cfg.write_text(json.dumps(tiny_config(tmp / "runs", outer={"rounds": 3, "local_steps": 8, "keep_rounds": 2},
@@ -79,8 +79,8 @@ def test_rerunning_a_finished_run_is_a_no_op(finished_run):
 
 def test_cluster_layout_gives_the_same_model_as_the_simulator(finished_run, tmp_path):
     """diloco.py + two `python -m train.diloco.worker` processes (what the launcher starts) == diloco_sim.py, bit
-    for bit:
-    the workers of both runs train with the same thread count (helpers_proc.with_threads passes --threads to both)."""
+    for bit: the workers of both runs train with the same thread count (tests.helpers.proc.with_threads passes
+    --threads to both)."""
     cfg_path, sim_paths, _ = finished_run
     raw = json.loads(cfg_path.read_text())
     raw["base_dir"] = str(tmp_path / "runs")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, tiny_config
-from helpers_proc import kill_all, run_script, start_script, wait_until
+from tests.helpers import REPO, tiny_config
+from tests.helpers.proc import kill_all, run_script, start_script, wait_until
 from train.config import ConfigError, build_config
 from train.edt.store import EDTPaths
 from train.edt.genes import crossover_dna, generation_rng, mutate_dna, random_dna

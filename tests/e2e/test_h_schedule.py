@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_proc import kill_sim_at_random_moments, run_script, script_cmd
+from tests.helpers.proc import kill_sim_at_random_moments, run_script, script_cmd
 from train.core.store import RunPaths, read_json, read_jsonl
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, tiny_config
-from helpers_proc import (kill_sim_at_random_moments, progress_of, run_script, script_cmd, wait_until,
+from tests.helpers import REPO, tiny_config
+from tests.helpers.proc import (kill_sim_at_random_moments, progress_of, run_script, script_cmd, wait_until,
                           wait_until_workers_gone)
 from train.config import build_config
 from train.diloco.coordinator import Coordinator

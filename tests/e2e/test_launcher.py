@@ -1,4 +1,4 @@
-"""launch_to_machines.py against a real OpenSSH server (tests/sshd_fixture.py): two "machines" (127.0.0.1 and
+"""launch_to_machines.py against a real OpenSSH server (tests/helpers/sshd.py): two "machines" (127.0.0.1 and
 127.0.0.2 on one private sshd), a 2-worker DiLoCo run launched, watched, stopped, resumed; host-key refusal;
 timeouts; hostile values in machines.json / evolution.json run nothing. Fast tests of the plan and the quoting
 need no sshd."""
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_config
-from helpers_proc import wait_until
-from sshd_fixture import HOSTS, free_port, new_key, skip_reason, start_sshd
+from tests.helpers import REPO, tiny_config
+from tests.helpers.proc import wait_until
+from tests.helpers.sshd import HOSTS, free_port, new_key, skip_reason, start_sshd
 from train.config import ConfigError
 from train.launch.machines import load_machines
 from train.launch.launcher import Launcher, shell_line

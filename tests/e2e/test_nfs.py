@@ -1,4 +1,5 @@
-"""The shared disk as it really is: every process on its own NFS-like mount (FUSE, tests/fusefs.py) of one folder.
+"""The shared disk as it really is: every process on its own NFS-like mount (FUSE, tests/helpers/fusefs.py) of one
+folder.
 
 - a 10 s lookup cache (names and "no such file" remembered per mount, as NFS's lookupcache=all on separate
   machines): the run gives the plain-disk model bit for bit, and no round waits for a cached "no such file";
@@ -20,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TEST_THREADS, tiny_config
-from fusefs import fuse_skip_reason, nfs_mount
-from helpers_proc import kill_all
+from tests.helpers import REPO, TEST_THREADS, tiny_config
+from tests.helpers.fusefs import fuse_skip_reason, nfs_mount
+from tests.helpers.proc import kill_all
 from train.core.store import RunPaths, read_jsonl
 from train.core.tensorio import load_tensors
 

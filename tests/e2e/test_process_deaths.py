@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, tiny_config
-from helpers_proc import script_cmd, wait_until
+from tests.helpers import REPO, tiny_config
+from tests.helpers.proc import script_cmd, wait_until
 from train.core.coordinator_lease import CoordinatorLease, CoordinatorWatch, coordinator_lease_path
 from train.core.heartbeat import pid_alive
 from train.core.store import atomic_write_json, read_json, read_jsonl, verify_manifest

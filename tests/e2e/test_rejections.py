@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_config
+from tests.helpers import tiny_config
 from train.config import build_config
 from train.diloco.coordinator import Coordinator
 from train.exchange.layout import Layout

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers_proc import script_cmd
+from tests.helpers.proc import script_cmd
 from train.diloco.store import DiLoCoPaths
 
 

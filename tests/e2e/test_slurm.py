@@ -1,4 +1,4 @@
-"""`launch_to_machines.py ... --backend slurm` against a real Slurm (tests/slurm_fixture.py: munged, slurmctld and
+"""`launch_to_machines.py ... --backend slurm` against a real Slurm (tests/helpers/slurm.py: munged, slurmctld and
 three slurmd on loopback, started by the test): a micro DiLoCo run whose worker step is cancelled (`scancel JOB.STEP`)
 finishes; a micro EDT run that Slurm requeues (a node failure's path) resumes from its state and finishes; `stop`
 makes every process leave cleanly; bad input (no sbatch, an unknown partition, a --time shorter than a round) is one
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_config
-from helpers_proc import wait_until
-from slurm_fixture import skip_reason, start_slurm
+from tests.helpers import REPO, tiny_config
+from tests.helpers.proc import wait_until
+from tests.helpers.slurm import skip_reason, start_slurm
 from train.config import ConfigError
 from train.core.store import read_json
 from train.diloco.store import DiLoCoPaths

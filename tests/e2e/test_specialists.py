@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import pin_threads
+from tests.helpers import pin_threads
 from train.evomerge.specialists import make_specialists
 from train.core.store import verify_manifest
 from train.core.tensorio import load_tensors

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from conftest import REPO
-from helpers_proc import script_cmd, wait_until, progress_of
+from tests.helpers import REPO
+from tests.helpers.proc import script_cmd, wait_until, progress_of
 from train.core.store import read_json
 from train.diloco.store import DiLoCoPaths
 from train.status.timeline import build_timeline

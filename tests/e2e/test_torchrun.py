@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_config
-from helpers_proc import run_script
+from tests.helpers import tiny_config
+from tests.helpers.proc import run_script
 from train.core.data import ShardSampler, TokenData
 from train.core.dist import DistInfo, RankBatches, all_mean, broadcast_json, get_dist_info
 from train.diloco.store import DiLoCoPaths

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from tests.helpers import REPO
 from train.launch import train_fsdp
 from train.core.store import read_jsonl
 from train.diloco.store import DiLoCoPaths

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_config
+from tests.helpers import REPO, tiny_config
 from train.config import LEGACY_KEYS, ConfigError, RunConfig, build_config, load_config, reference_markdown
 from train.launch.machines import Machine, load_machines
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, pin_threads, tiny_config
+from tests.helpers import REPO, pin_threads, tiny_config
 from train.config import build_config
 from train.core.data import ShardSampler, TokenData, prepare_data
 from train.core.inner import InnerTrainer, lr_at

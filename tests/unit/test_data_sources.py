@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import tiny_config
+from tests.helpers import tiny_config
 from train.config import build_config
 from train.core.data import prepare_data
 from train.core.errors import DataError

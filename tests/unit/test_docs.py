@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+from tests.helpers import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, tiny_config
+from tests.helpers import REPO, tiny_config
 from train.config import ConfigError, build_config
 from train.edt.genes import generation_rng, random_dna
 from train.core.tensorio import load_tensors

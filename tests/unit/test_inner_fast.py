@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, pin_threads
+from tests.helpers import REPO, pin_threads
 from train.config import build_config
 from train.core.inner import (InnerTrainer, lr_at, resolve_compile, resolve_loss_chunk, resolve_precision,
                               token_cross_entropy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REPO, pin_threads
+from tests.helpers import REPO, pin_threads
 from train.config import build_config
 from train.core.inner import InnerTrainer
 from train.core.model import build_model

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, pin_threads
+from tests.helpers import REPO, pin_threads
 from train.config import ConfigError, build_config
 from train.core.inner import InnerTrainer, muon_param_names
 from train.core.model import build_model

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import REPO, pin_threads
+from tests.helpers import REPO, pin_threads
 from train.config import ConfigError, build_config
 from train.core.inner import InnerTrainer, lr_at
 from train.core.model import build_model

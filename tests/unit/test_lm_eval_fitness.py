@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import pin_threads, tiny_config
+from tests.helpers import pin_threads, tiny_config
 from train.config import ConfigError, build_config, load_config
 from train.core.errors import EnvironmentProblem
 from train.edt.genes import fitness_function

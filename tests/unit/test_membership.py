@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from tests.helpers import REPO
 from train.config import ConfigError, build_config
 from train.core.heartbeat import Heartbeat
 from train.core.store import RunPaths, read_json

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from tests.helpers import REPO
 from train.merge import methods as mm
 from train.merge.crossover import slerp, t_for
 from train.merge.methods import (MergeError, Recipe, dare_merge, linear_merge, merge_state_dicts, merge_tensor,

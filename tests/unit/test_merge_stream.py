@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from tests.helpers import REPO
 from train.merge import methods as merge_methods
 from train.merge.methods import MergeError, Recipe, merge_state_dicts
 from train.merge.stream import check_compatible, merge_model_dirs

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO
+from tests.helpers import REPO
 from train.core.tensorio import load_tensors
 from train.merge.yaml_merge import run_yaml_merge
 from train.merge.yaml_plan import Plan

@@ -143,7 +143,7 @@ def test_elite_keeps_its_slot_and_every_slot_is_filled():
 
 
 def test_initial_population_is_filled_by_random_choice(tmp_path):
-    from conftest import tiny_config
+    from tests.helpers import tiny_config
     from train.config import ConfigError, build_config
     from train.edt.breed import initial_specs
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import pin_threads
+from tests.helpers import pin_threads
 from train.evomerge.sft import (DEFAULT_CHAT_TEMPLATE, IGNORE, SFTMixture, encode_sft, ensure_chat_template, render,
                                 sft_loss, train_sft)
 from train.evomerge.tasks import task_items

@@ -172,7 +172,7 @@ def test_a_process_the_shared_disk_failed_is_restarted_by_its_supervisor(tmp_pat
     import subprocess
     import sys
 
-    from conftest import REPO
+    from tests.helpers import REPO
 
     flag = tmp_path / "failed-once"
     child = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import REPO
+from tests.helpers import REPO
 
 TRAIN = REPO / "train"
 WINGS = ("exchange", "diloco", "edt", "evomerge", "merge", "launch", "status")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import pin_threads
+from tests.helpers import pin_threads
 from train.config import ConfigError
 from train.evomerge.sft import SFTMixture, train_sft
 from train.evomerge.task_eval import (TaskSpec, eval_exact_match, eval_sft_loss, evaluate_tasks, exact_match_score,

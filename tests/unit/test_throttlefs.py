@@ -1,4 +1,5 @@
-"""The NFS-client emulation itself (bench/throttlefs.py through tests/fusefs.py): real FUSE mounts, one per "machine".
+"""The NFS-client emulation itself (bench/throttlefs.py through tests/helpers/fusefs.py): real FUSE mounts, one per
+"machine".
 
 What the protocol tests and bench/nfs.py rely on: a name looked up before it existed stays invisible to stat() through
 that mount for the lookup TTL while a listing shows it at once; without a TTL names show at once; injected EIO hits
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from fusefs import fuse_skip_reason, is_mounted, nfs_mount
+from tests.helpers.fusefs import fuse_skip_reason, is_mounted, nfs_mount
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from tests.helpers import REPO
 from train.core.store import append_jsonl, atomic_write_json
 from train.diloco.store import DiLoCoPaths
 from train.status.recorder import TimelineRecorder

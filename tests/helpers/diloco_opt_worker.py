@@ -1,12 +1,12 @@
-"""One worker of tests/test_diloco_optimizer.py: a user's own training loop with DiLoCoOptimizer that does, step for
+"""One worker of tests/e2e/test_diloco_optimizer.py: a user's own training loop with DiLoCoOptimizer that does, step for
 step, what `python -m train.diloco.worker` does (train/diloco/worker.py, train/core/inner.py) for the same config.
 
-    python tests/diloco_opt_worker.py EVOLUTION_JSON WORKER BASE_DIR [--threads N]
+    python tests/helpers/diloco_opt_worker.py EVOLUTION_JSON WORKER BASE_DIR [--threads N]
 
 Same θ_0 (build_model with the run's seed), the same batches (each round's slice of the data stream, as the
 coordinator's layout gives it: train/exchange/layout.py), AdamW with the same hyperparameters, warmup + cosine
 as a LambdaLR, gradient clipping, fp32, `--threads` torch threads (default 1; the test passes the simulator's
-workers' value, through helpers_proc.with_threads).
+workers' value, through tests.helpers.proc.with_threads).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from train.config import load_config  # noqa: E402
 from train.core.data import StreamSampler, TokenData, find_data  # noqa: E402

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, TEST_THREADS
+from tests.helpers import REPO, TEST_THREADS
 
 # The programs that train (or start workers that do) and take `--threads N`: the simulators pass it on to their
 # workers (without it they pick cores / workers, which differs between machines).
