@@ -146,6 +146,19 @@ class OuterConfig:
                                    "retried after a transient error (EIO, ESTALE, ETIMEDOUT, EAGAIN, ENOLCK: a soft "
                                    "NFS mount) before the process stops with a one-line error (exit 2; its "
                                    "supervisor restarts it).")
+    disk_full_wait_s: float = doc(3600.0, "How long a process waits when a write on BASE_DIR finds the disk full "
+                                          "(ENOSPC) or the quota spent (EDQUOT): one line when it starts, one a "
+                                          "minute, one when space is back; no restart is spent. Past it: one line, "
+                                          "exit 2, no restart; the same command resumes once there is space.")
+    screen: bool = doc(True, "Screen each round's deltas before averaging (rounds with at least 3): a delta whose "
+                             "norm is over screen_norm_ratio x or under 1 / screen_norm_ratio x the round's median, "
+                             "or whose cosine with the mean of the others is below screen_min_cosine, is rejected "
+                             "with its reason in metrics.jsonl and never averaged (docs/protocol.md).")
+    screen_norm_ratio: float = doc(5.0, "The screen's norm bound: a delta whose L2 norm is over this x, or under "
+                                        "1 / this x, the median norm of the round's deltas is rejected.")
+    screen_min_cosine: float = doc(-0.5, "The screen's direction bound: a delta whose cosine with the mean of the "
+                                         "round's other deltas is below this is rejected (healthy rounds measure "
+                                         "about -0.1 to 0.9: docs/protocol.md).")
     delta_dtype: str = doc("float32", "dtype of published pseudo-gradients: float32, bfloat16 or float16.")
     keep_rounds: int = doc(2, "Committed rounds kept on disk (older global models and deltas are deleted).")
     token_weighted: bool = doc(True, "Weight each delta by its tokens (equal weights when off).")
@@ -228,6 +241,9 @@ class OuterConfig:
         check_range(self, p, "max_restarts", 0)
         check_range(self, p, "poll_interval_s", 0.0, lo_open=True)
         check_range(self, p, "io_retry_s", 0.0)
+        check_range(self, p, "disk_full_wait_s", 0.0)
+        check_range(self, p, "screen_norm_ratio", 1.0, lo_open=True)
+        check_range(self, p, "screen_min_cosine", -1.0, 1.0)
         check_range(self, p, "keep_rounds", 1)
         check_choice(self, p, "delta_dtype", ("float32", "bfloat16", "float16"))
         check_choice(self, p, "compression", ("none", "int8", "int4", "bfloat16", "float16", "topk"))

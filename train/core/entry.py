@@ -32,7 +32,7 @@ def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | Non
     install_leave_handler(lambda: box[0] if box else None)
     quiet_transformers()
     cfg = load_config(config_path(args.config), args.set, strategy=strategy)
-    sharedfs.configure(cfg.outer.io_retry_s)
+    sharedfs.configure_from(cfg.outer)
     if args.threads:
         cfg.inner.threads = args.threads
     worker = worker_cls(cfg, args.worker)

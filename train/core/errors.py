@@ -85,7 +85,7 @@ def setup_logging(name: str, level: int = logging.INFO, background: bool = False
     small write waits behind the deltas in flight). The queue is flushed at exit."""
     root = logging.getLogger()
     if not any(getattr(h, "_edt", False) for h in root.handlers):
-        h = logging.StreamHandler(sys.stderr)
+        h = _StderrHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
         if background:
             import atexit
@@ -105,6 +105,56 @@ def setup_logging(name: str, level: int = logging.INFO, background: bool = False
 
 
 _listener = None  # the background log writer of setup_logging(background=True)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """stderr, which the simulators and the launcher point at the run's logs/ on BASE_DIR: a line that meets a full
+    disk there (ENOSPC, EDQUOT) is kept (up to HOLD lines) and written before the next line once there is space, so
+    the lines a process logs while it waits for space (train/core/sharedfs.py) reach its log afterwards, whole and
+    in order, instead of being lost or torn. Writes go to the file descriptor (a partial write goes on from where
+    it stopped); a stream without one (a test's capture) is written as logging always does."""
+
+    HOLD = 10000
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        import collections
+        self._held: collections.deque = collections.deque()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fd = self.stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            fd = None
+        if fd is None:
+            return super().emit(record)
+        try:
+            data = (self.format(record) + self.terminator).encode("utf-8", "replace")
+        except Exception:  # noqa: BLE001  (logging's own contract: a bad record is reported, not raised)
+            self.handleError(record)
+            return
+        import errno
+        with self.lock:
+            if len(self._held) < self.HOLD:
+                self._held.append(data)
+            try:
+                self.stream.flush()  # what print() left in the stream's buffer goes first
+            except (OSError, ValueError):
+                pass
+            while self._held:
+                head = self._held[0]
+                try:
+                    n = os.write(fd, head)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                        return  # kept: written with the next line once there is space
+                    self._held.popleft()
+                    self.handleError(record)
+                    return
+                if n < len(head):
+                    self._held[0] = head[n:]
+                else:
+                    self._held.popleft()
 
 
 def flush_logs() -> None:

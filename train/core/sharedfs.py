@@ -5,7 +5,18 @@ visibility that does not depend on an NFS client's lookup cache.
 when the server or the link hiccups. `retry(op, path, fn)` runs `fn` again with backoff (50 ms doubling to 2 s) for
 up to `outer.io_retry_s` seconds (`configure`), logs one warning when an episode starts and one line when it ends,
 and after that raises `SharedDiskError`: one line naming the path and the call, exit 2 (the worker's supervisor
-restarts it: train/launch/procs.py). Every helper below is safe to run twice: writes go to a temp name and are
+restarts it: train/launch/procs.py).
+
+**A full disk** (ENOSPC, EDQUOT: the filesystem or the user's quota) is not a hiccup and has its own policy, apart
+from the EIO budget: the call waits for space, polling every `DISK_FULL_POLL_S`, for up to `outer.disk_full_wait_s`
+seconds (`configure`; default one hour) per episode of this process. One line when the episode starts ("BASE_DIR is
+full (...): waiting for space, up to N s"), one a minute while it lasts, one when space is back; every thread of the
+process shares the episode (one set of lines). Past the wait: `DiskFull`, one line, exit 2, and no restart (a
+supervisor would only fill the disk again): the same command resumes once there is space. A write that hits a full
+disk frees what it had written before it waits (`write_file` truncates its file, `reserve` its reservation), so
+processes waiting side by side never hold the space that would let one of them finish.
+
+Every helper below is safe to run twice: writes go to a temp name and are
 published by rename (a retried rename that already happened on the server is recognised), reads and writes of a
 file use explicit offsets (pread / pwrite), an append checks whether its line already landed.
 
@@ -43,6 +54,17 @@ BACKOFF_S, BACKOFF_CAP_S = 0.05, 2.0
 _retry_s = RETRY_S
 _episodes = 0  # retry episodes so far in this process (recovered or not): for logs, metrics and tests
 
+# A full filesystem or quota: waited out (for up to outer.disk_full_wait_s), never counted against io_retry_s.
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+DISK_FULL_WAIT_S = 3600.0  # outer.disk_full_wait_s
+DISK_FULL_POLL_S = 1.0     # how often a waiting call tries again
+DISK_FULL_SAY_EVERY_S = 60.0  # a line this often while the disk stays full
+_disk_full_wait_s = DISK_FULL_WAIT_S
+_full_lock = threading.Lock()
+_full_since: float | None = None  # monotonic start of this process's current disk-full episode (None: none)
+_full_said = 0.0                   # when the last line about it was logged
+_full_episodes = 0                 # disk-full episodes so far in this process (for logs, metrics and tests)
+
 
 class SharedDiskError(UserError, OSError):
     """A call on the shared disk kept failing for outer.io_retry_s seconds (exit 2; a supervisor restarts)."""
@@ -50,14 +72,86 @@ class SharedDiskError(UserError, OSError):
     retryable = True  # run_main tells the supervisor: restart (train/core/errors.py note_retryable_exit)
 
 
-def configure(retry_s: float) -> None:
-    """Set this process's retry budget per call (outer.io_retry_s)."""
-    global _retry_s
+class DiskFull(UserError, OSError):
+    """BASE_DIR stayed full for outer.disk_full_wait_s seconds (exit 2, not restarted: rerun the same command once
+    there is space; the run resumes from its last saved state)."""
+
+
+def configure(retry_s: float, disk_full_wait_s: float | None = None) -> None:
+    """Set this process's retry budget per call (outer.io_retry_s) and how long it waits for space on a full
+    BASE_DIR (outer.disk_full_wait_s; None keeps the current value)."""
+    global _retry_s, _disk_full_wait_s
     _retry_s = float(retry_s)
+    if disk_full_wait_s is not None:
+        _disk_full_wait_s = float(disk_full_wait_s)
+
+
+def configure_from(outer: Any) -> None:
+    """`configure` from a config's `outer` section (io_retry_s, disk_full_wait_s): every process of a run calls it
+    once it has its config (workers: train/core/entry.py; coordinators; the simulators and launchers)."""
+    configure(outer.io_retry_s, getattr(outer, "disk_full_wait_s", None))
 
 
 def episodes() -> int:
     return _episodes
+
+
+def disk_full_episodes() -> int:
+    return _full_episodes
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    """An OSError ENOSPC / EDQUOT, or a library's wrapper of one (safetensors' `Os { code: 28`, a `raise ... from`),
+    but not our own DiskFull (the wait is over: it goes up, it is not waited for again)."""
+    import re
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (DiskFull, SharedDiskError)):
+            return False
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return True
+        m = re.search(r"Os \{ code: (\d+)", str(e)) if not isinstance(e, OSError) else None
+        if m and int(m.group(1)) in DISK_FULL:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _disk_full_wait(op: str, path: str | os.PathLike, e: BaseException) -> None:
+    """One poll of the disk-full wait of this process (see the module docstring): says the start of an episode and
+    a line a minute, sleeps DISK_FULL_POLL_S, raises DiskFull once the episode is older than disk_full_wait_s."""
+    global _full_since, _full_said, _full_episodes
+    with _full_lock:
+        now = time.monotonic()
+        if _full_since is None:
+            _full_since = _full_said = now
+            _full_episodes += 1
+            log.warning("BASE_DIR is full (%s %s: %s): waiting for space, up to %.0f s (outer.disk_full_wait_s)",
+                        op, path, _why(e), _disk_full_wait_s)
+        waited = now - _full_since
+        if waited >= _disk_full_wait_s:
+            raise DiskFull(
+                errno.ENOSPC,
+                f"{path}: BASE_DIR stayed full for {waited:.0f} s ({op}: {_why(e)}; outer.disk_full_wait_s = "
+                f"{_disk_full_wait_s:g}): free space on the shared disk (old runs, outer.keep_rounds), then run the "
+                f"same command again: the run resumes from its last saved state") from None
+        if now - _full_said >= DISK_FULL_SAY_EVERY_S:
+            _full_said = now
+            log.warning("BASE_DIR is still full (%s %s): waited %.0f s of %.0f s", op, path, waited,
+                        _disk_full_wait_s)
+    time.sleep(DISK_FULL_POLL_S)
+
+
+def _disk_full_over(op: str, path: str | os.PathLike) -> None:
+    """A call that waited for space succeeded: the episode is over (one line, once, whichever thread sees it)."""
+    global _full_since
+    with _full_lock:
+        if _full_since is None:
+            return
+        waited, _full_since = time.monotonic() - _full_since, None
+    log.warning("BASE_DIR has space again (%s %s succeeded): going on after %.0f s of waiting", op, path, waited)
 
 
 def is_transient(e: BaseException) -> bool:
@@ -86,14 +180,20 @@ def is_transient_any(e: BaseException) -> bool:
 def retry(op: str, path: str | os.PathLike, fn: Callable[[], T], *, budget: float | None = None,
           transient: Callable[[BaseException], bool] = is_transient) -> T:
     """`fn()`, again after a transient error (see TRANSIENT) with backoff, for up to `budget` seconds
-    (outer.io_retry_s); then SharedDiskError naming `op` and `path`. Other errors pass through at once."""
+    (outer.io_retry_s); then SharedDiskError naming `op` and `path`. A full disk (DISK_FULL, also wrapped by a
+    library) is waited out apart from that budget, for up to outer.disk_full_wait_s (module docstring); then
+    DiskFull. Other errors pass through at once."""
     global _episodes
     budget = _retry_s if budget is None else budget
-    start, delay, tries = None, BACKOFF_S, 0
+    start, delay, tries, full = None, BACKOFF_S, 0, False
     while True:
         try:
             out = fn()
         except Exception as e:
+            if is_disk_full(e):
+                full = True
+                _disk_full_wait(op, path, e)
+                continue
             if not transient(e):
                 raise
             tries += 1
@@ -114,6 +214,8 @@ def retry(op: str, path: str | os.PathLike, fn: Callable[[], T], *, budget: floa
         if start is not None:
             log.info("shared disk: %s %s succeeded after %d retries (%.1f s)", op, path, tries,
                      time.monotonic() - start)
+        if full:
+            _disk_full_over(op, path)
         return out
 
 
@@ -289,7 +391,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def write_file(path: str | os.PathLike, data: bytes | Any, *, durable: bool = True) -> None:
-    """Write `data` to a new file `path` (truncating), every byte at its offset, then fsync; retried as a whole."""
+    """Write `data` to a new file `path` (truncating), every byte at its offset, then fsync; retried as a whole.
+    On a full disk the file is truncated before the wait (its partial bytes would hold the space it waits for)."""
     def once() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -299,9 +402,67 @@ def write_file(path: str | os.PathLike, data: bytes | Any, *, durable: bool = Tr
                 done += os.pwrite(fd, view[done:], done)
             if durable:
                 os.fsync(fd)
+        except OSError as e:
+            if is_disk_full(e):
+                _truncate(fd)
+            raise
         finally:
             os.close(fd)
     retry("write", path, once)
+
+
+def _truncate(fd: int, size: int = 0) -> None:
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        pass
+
+
+_NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV})
+
+
+def reserve(fd: int, nbytes: int, path: str | os.PathLike) -> bool:
+    """Allocate `nbytes` for the new file `fd` up front (fallocate(2): the file's size becomes `nbytes`), so that
+    writing it never meets a full disk halfway; on a full disk the reservation is released and the call waits
+    (retry). False where the filesystem cannot allocate (NFS before 4.2, FUSE): its writes then wait for space
+    where they stand, keeping what they wrote. glibc's posix_fallocate is not used: where the filesystem lacks it,
+    it writes every block, which on NFS costs a second write of the whole file."""
+    import ctypes
+
+    if nbytes <= 0:
+        return True
+    libc = _libc()
+    if libc is None:
+        return False
+
+    def once() -> bool:
+        if libc.fallocate(fd, 0, ctypes.c_int64(0), ctypes.c_int64(nbytes)) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in _NO_FALLOCATE:
+            return False
+        if err in DISK_FULL:
+            _truncate(fd)
+        raise OSError(err, os.strerror(err), os.fspath(path))
+    return retry("reserve space for", path, once)
+
+
+_libc_cache: list = []
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    if not _libc_cache:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            lib.fallocate.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            lib = None
+        _libc_cache.append(lib)
+    return _libc_cache[0]
 
 
 def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:

@@ -370,8 +370,13 @@ def append_jsonl(path: Path, record: dict) -> None:
                 if not tail.endswith(b"\n"):
                     data = b"\n" + line  # a crash tore the last line: never glue the next record onto it
             tried[0] = True
-            os.pwrite(fd, data, size)
-            os.fsync(fd)
+            try:
+                os.pwrite(fd, data, size)
+                os.fsync(fd)
+            except OSError as e:
+                if sharedfs.is_disk_full(e):  # nothing torn stays behind while it waits for space
+                    os.ftruncate(fd, size)
+                raise
         finally:
             os.close(fd)
     sharedfs.retry("append", path, once)

@@ -101,6 +101,12 @@ class StreamingWriter:
         sharedfs.makedirs(self.path.parent)
         self._tmp = tmp_name(self.path)
         self._fd = sharedfs.open_fd(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:  # the whole file's space up front: a full disk is waited out here, before any byte is written
+            sharedfs.reserve(self._fd, self.nbytes, self._tmp)
+        except BaseException:
+            os.close(self._fd)
+            self._tmp.unlink(missing_ok=True)
+            raise
         self._offset = 0
         self._unsynced = 0
         self._bg = _Background()

@@ -66,7 +66,7 @@ class Coordinator:
     def __init__(self, cfg: RunConfig, progress: bool = True, monitor=None):
         self.cfg = cfg
         self._lock_f = NO_LOCK  # the coordinator's lock, taken in setup()
-        sharedfs.configure(cfg.outer.io_retry_s)
+        sharedfs.configure_from(cfg.outer)
         self.paths = DiLoCoPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
