@@ -17,6 +17,11 @@ Cluster (the launcher runs this for you next to the workers; see docs/multi-mach
 """
 from __future__ import annotations
 
+try:  # first: `train` is this project's package even beside a user's train.py (_edt_bootstrap.py)
+    import _edt_bootstrap  # noqa: F401
+except ModuleNotFoundError:  # an editable install older than it (pip install -e . again): no guard
+    pass
+
 from pathlib import Path
 
 from train.diloco.optimizer import DiLoCoOptimizer, load_global  # noqa: F401  (public API)

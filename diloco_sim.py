@@ -9,6 +9,11 @@ child. Running the same command again resumes from the last committed round.
 """
 from __future__ import annotations
 
+try:  # first: `train` is this project's package even beside a user's train.py (_edt_bootstrap.py)
+    import _edt_bootstrap  # noqa: F401
+except ModuleNotFoundError:  # an editable install older than it (pip install -e . again): no guard
+    pass
+
 
 def main() -> int:
     from train.launch.sim import sim_main

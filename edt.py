@@ -15,6 +15,11 @@ Cluster (the launcher runs this next to the workers; see docs/edt.md):
 """
 from __future__ import annotations
 
+try:  # first: `train` is this project's package even beside a user's train.py (_edt_bootstrap.py)
+    import _edt_bootstrap  # noqa: F401
+except ModuleNotFoundError:  # an editable install older than it (pip install -e . again): no guard
+    pass
+
 from pathlib import Path
 
 from train.edt.genes import (GENES, crossover_dna, decode, fitness_function, mutate_dna, rank_order,  # noqa: F401

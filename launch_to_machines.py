@@ -1,4 +1,4 @@
-"""Run DiLoCo / EDT on the machines of machines.json over SSH (they share BASE_DIR on one disk).
+"""Run DiLoCo / EDT on several machines that share BASE_DIR on one disk: over SSH (machines.json) or as a Slurm job.
 
     python launch_to_machines.py preflight          # SSH, python, torch, transformers, GPUs, shared BASE_DIR
     python launch_to_machines.py                    # = launch: coordinator on the first machine, worker i on machine i
@@ -12,10 +12,24 @@ against ~/.ssh/known_hosts; authentication is by key or ssh-agent, never by pass
 """
 from __future__ import annotations
 
+try:  # first: `train` is this project's package even beside a user's train.py (_edt_bootstrap.py)
+    import _edt_bootstrap  # noqa: F401
+except ModuleNotFoundError:  # an editable install older than it (pip install -e . again): no guard
+    pass
+
 import argparse
 import sys
 
 COMMANDS = ("launch", "status", "logs", "stop", "preflight")
+
+EPILOG = """backends (--backend, on every subcommand):
+  ssh    the default: the hosts of machines.json over SSH, coordinator on the first (docs/multi-machine.md)
+           python launch_to_machines.py launch --rounds 20 --set outer.lr=0.5
+  slurm  one sbatch job on a Slurm cluster, its nodes from the allocation (docs/slurm.md)
+           python launch_to_machines.py launch --backend slurm --nodes 2 --time 4:00:00
+
+Without a subcommand: launch (the prototype's behaviour). Every subcommand takes --dry-run (print the exact
+commands, run nothing) and --help (its options: python launch_to_machines.py launch --help)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ssh: the hosts of machines.json; slurm: one batch job (sbatch), see docs/slurm.md")
     add_slurm_args(common)
 
-    ap = argparse.ArgumentParser(prog="launch_to_machines.py", description=__doc__.split("\n")[0],
-                                 epilog="Without a subcommand: launch (the prototype's behaviour).")
+    ap = argparse.ArgumentParser(prog="launch_to_machines.py", description=__doc__.split("\n")[0], epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("launch", parents=[common], help="start the coordinator and the workers")
     p.add_argument("--keep-on-failure", action="store_true",

@@ -33,7 +33,7 @@ IMPORT_ALL = """
 import importlib, json, pkgutil, sys
 import train
 names = ["train"] + [m.name for m in pkgutil.walk_packages(train.__path__, "train.")]
-names += ["diloco", "edt", "diloco_sim", "edt_sim", "launch_to_machines"]
+names += ["_edt_bootstrap", "diloco", "edt", "diloco_sim", "edt_sim", "launch_to_machines"]
 failed = {}
 for n in names:
     try:
