@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from train.config import load_config
+from train.core import sharedfs
 from train.core.errors import UserError
 from train.core.coordinator_lease import coordinator_lease_path
 from train.core.store import atomic_write_json, read_json, read_jsonl, sha256_file
@@ -248,6 +249,21 @@ def health(rec: dict, paths: DiLoCoPaths, role: str, state: str) -> dict:
     return out
 
 
+def run_totals(paths: DiLoCoPaths, cfg) -> dict:
+    """The run's own length, {"rounds": R, "generations": G}: from its config.json in BASE_DIR (what its coordinator
+    runs, the launch's --set overrides included) once written, else from `cfg` (the config this command was given,
+    which may lack those overrides: `status` without the launch's `--set outer.rounds=4` would say 4/10)."""
+    own = {}
+    try:
+        if sharedfs.exists(paths.config_json):
+            own = read_json(paths.config_json)
+    except (OSError, ValueError):  # unreadable: the given config's values (the status still answers)
+        own = {}
+    outer, edt = own.get("outer") or {}, own.get("edt") or {}
+    return {"rounds": outer.get("rounds", cfg.outer.rounds),
+            "generations": edt.get("max_generations", cfg.edt.max_generations)}
+
+
 def cmd_status(a, paths: DiLoCoPaths, cfg) -> int:
     recs = records(paths)
     roles = list(dict.fromkeys(a.role + [r for r, rec in recs.items() if rec.get("machine") == a.machine]))
@@ -265,8 +281,8 @@ def cmd_status(a, paths: DiLoCoPaths, cfg) -> int:
     last = metrics[-1] if metrics else {}
     gens = [int(d.parent.name[1:]) for d in (paths.root / "generations").glob("g*/COMMITTED")
             if d.parent.name[1:].isdigit()]  # EDT's commit markers (train/edt/store.py layout)
-    run = {"run_dir": str(paths.root), "committed": paths.latest_committed(), "rounds": cfg.outer.rounds,
-           "committed_generation": max(gens) if gens else None, "generations": cfg.edt.max_generations,
+    run = {"run_dir": str(paths.root), "committed": paths.latest_committed(), **run_totals(paths, cfg),
+           "committed_generation": max(gens) if gens else None,
            "final": (paths.final / "MANIFEST.json").is_file(),
            "last": {k: last[k] for k in ("round", "generation", "eval_loss", "train_loss") if k in last}}
     return answer({"processes": out, "run": run, "hostname": socket.gethostname()})

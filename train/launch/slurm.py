@@ -30,6 +30,7 @@ from pathlib import Path
 from train.config import REPO_ROOT, ConfigError, load_config
 from train.core.errors import EnvironmentProblem, UserError
 from train.core.store import RunPaths, atomic_write_bytes, atomic_write_json, read_json, read_jsonl
+from train.diloco.store import DiLoCoPaths
 from train.config.strategies import strategy as get_strategy
 from train.launch.procs import supervised_argv, worker_argv
 
@@ -176,7 +177,7 @@ class SlurmLauncher:
             log.info("outer.num_workers = %d: one worker per node (per GPU group with --gpus-per-node); set "
                      "outer.num_workers to choose another number", n)
         self.overrides = [*self.user_overrides, *derived, *self.cfg.default_overrides()]
-        self.paths = RunPaths(self.cfg.run_dir)
+        self.paths = DiLoCoPaths(self.cfg.run_dir)  # the rounds' markers too (status: latest committed)
 
     @property
     def nproc(self) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from train.config import ConfigError
 from train.core.store import atomic_write_json
-from train.launch.remote import LogFollower, progress_of, tail
+from train.launch.remote import LogFollower, progress_of, run_totals, tail
 from train.launch.slurm import LIVE_STATES, RECORD, SlurmLauncher, job_state, job_steps, run_slurm
 
 
@@ -32,8 +32,8 @@ def run_state(ln: SlurmLauncher) -> dict:
     paths, cfg = ln.paths, ln.cfg
     gens = [int(d.parent.name[1:]) for d in (paths.root / "generations").glob("g*/COMMITTED")
             if d.parent.name[1:].isdigit()]
-    return {"run_dir": str(paths.root), "committed": paths.latest_committed(), "rounds": cfg.outer.rounds,
-            "committed_generation": max(gens) if gens else None, "generations": cfg.edt.max_generations,
+    return {"run_dir": str(paths.root), "committed": paths.latest_committed(), **run_totals(paths, cfg),
+            "committed_generation": max(gens) if gens else None,
             "final": (paths.final / "MANIFEST.json").is_file()}
 
 
