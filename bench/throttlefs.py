@@ -52,6 +52,11 @@ page): that retry fails too, without a new draw or log line, so a user's read of
 close() writes it again, so a file object's write can draw twice. A page fault of an mmap that gets EIO is SIGBUS,
 as on NFS.
 
+Faults switched while it runs (`--control FILE`, bench/soak.py): a JSON file outside the mount, read again when its
+mtime changes (looked at most every 0.2 s): `{"error_rate": P}` replaces --error-rate (an EIO burst), `{"hang": true}`
+makes every call block until the file says otherwise (a hard mount whose server is away: the callers sit in the
+kernel, uninterruptible, as on NFS), `{"enospc": true}` fails every create, write, mkdir and rename with ENOSPC.
+
 Needs /dev/fuse, libfuse2 and `pip install fusepy` (root, or fusermount for a user); bench and tests only, nothing in
 train/ uses it.
 """
@@ -96,6 +101,7 @@ class Faults:
 
     def __init__(self, rate: float, ops: tuple[str, ...] = DEFAULT_ERROR_OPS, seed: int = 0, log: str | None = None):
         self.rate, self.ops = rate, frozenset(ops)
+        self.base_rate = rate
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if log else None
@@ -128,7 +134,46 @@ class Faults:
                 self.failed_reads = {k for k in self.failed_reads if k[0] != fh}
 
 
-def make_ops(root: str, bucket: Bucket, faults: Faults | None = None):
+class Control:
+    """The faults of `--control FILE`, switched from outside while the mount runs (see the module's docstring)."""
+
+    ENOSPC_OPS = frozenset({"create", "write", "mkdir", "rename", "truncate"})
+
+    def __init__(self, path: str, faults: Faults):
+        self.path, self.faults = path, faults
+        self.state: dict = {}
+        self.mtime = None
+        self.checked = 0.0
+        self.lock = threading.Lock()
+
+    def _refresh(self) -> dict:
+        now = time.monotonic()
+        if now - self.checked < 0.2:
+            return self.state
+        with self.lock:
+            self.checked = now
+            try:
+                mtime = os.stat(self.path).st_mtime_ns
+                if mtime != self.mtime:
+                    import json
+                    with open(self.path) as f:
+                        self.state = json.load(f) or {}
+                    self.mtime = mtime
+                    self.faults.rate = float(self.state.get("error_rate", self.faults.base_rate))
+            except (OSError, ValueError):
+                pass  # no file yet, or half written by a writer that does not rename: keep the last state
+        return self.state
+
+    def before(self, op: str) -> None:
+        """Block while the mount hangs; raise ENOSPC while the disk is full."""
+        while self._refresh().get("hang"):
+            time.sleep(0.1)
+        if op in self.ENOSPC_OPS and self.state.get("enospc"):
+            from fuse import FuseOSError
+            raise FuseOSError(errno.ENOSPC)
+
+
+def make_ops(root: str, bucket: Bucket, faults: Faults | None = None, control: Control | None = None):
     from fuse import FuseOSError, Operations
 
     class Passthrough(Operations):
@@ -138,6 +183,8 @@ def make_ops(root: str, bucket: Bucket, faults: Faults | None = None):
             return os.path.join(root, path.lstrip("/"))
 
         def __call__(self, op, *args):
+            if control is not None:
+                control.before(op)
             if faults is not None and args:
                 if op == "release":
                     faults.released(args[1])
@@ -245,6 +292,8 @@ def main() -> None:
                          f"any of {','.join(ERROR_OPS)})")
     ap.add_argument("--seed", type=int, default=0, help="seed of the error stream (default 0)")
     ap.add_argument("--error-log", metavar="FILE", help="append `op<TAB>path` for every injected error")
+    ap.add_argument("--control", metavar="FILE",
+                    help="a JSON file of faults switched while it runs: error_rate, hang, enospc (bench/soak.py)")
     args = ap.parse_args()
     for name in ("mbps", "entry_ttl", "negative_ttl", "lookup_ttl", "attr_ttl"):
         v = getattr(args, name)
@@ -271,8 +320,10 @@ def main() -> None:
             fi.fh = self.operations("create", path.decode(self.encoding), mode, fi.flags)
             return 0
 
-    faults = Faults(args.error_rate, args.error_ops, args.seed, args.error_log) if args.error_rate > 0 else None
-    NFSFuse(make_ops(os.path.abspath(args.backing), Bucket(args.mbps * 1e6), faults), args.mountpoint,
+    faults = (Faults(args.error_rate, args.error_ops, args.seed, args.error_log)
+              if args.error_rate > 0 or args.control else None)
+    control = Control(args.control, faults) if args.control else None
+    NFSFuse(make_ops(os.path.abspath(args.backing), Bucket(args.mbps * 1e6), faults, control), args.mountpoint,
             foreground=True, nothreads=False, big_writes=True, max_read=1 << 20, max_write=1 << 20,
             entry_timeout=entry, negative_timeout=negative, attr_timeout=args.attr_ttl)
 

@@ -1,0 +1,732 @@
+"""Soak: the whole DiLoCo system for many rounds with every fault at once, its invariants checked while it runs.
+
+    python bench/soak.py --quick                 # 4 workers, 80 rounds, 16 faults of all 11 kinds, about 5 min
+    python bench/soak.py                         # 8 workers x 1000 rounds (hours; not in CI)
+    python bench/soak.py --quick --seed 3 --out /tmp/soak --faults kill_worker disk_full bad_delta
+
+What runs: the real programs, as on a cluster (README "multi-machine"): the coordinator `python diloco.py` and every
+worker (`bench/soak_worker.py`: `python -m train.diloco.worker` that may publish a bad delta when told to) each under
+its supervisor (`python -m train.launch.supervise`), the supervisors kept by this script as the simulator keeps them
+(train/launch/procs.py LocalProcess: a killed supervisor is restarted). Every process has its own NFS-client mount
+(bench/throttlefs.py via tests/helpers/fusefs.py: lookup cache 10 s, faults switched through a control file) of one
+backing folder, which lies on a real small filesystem (a tmpfs of --disk-mb, when this user may mount one).
+
+The fault schedule (seeded by --seed) starts a fault every --gap seconds, each kind once in a shuffled order first,
+then at random; faults overlap (a hang lasts 60 s, a full disk 30 s). Kinds (--faults):
+    kill_worker        SIGKILL of a worker (its supervisor restarts it)
+    kill_supervisor    SIGKILL of a worker's supervisor (this script restarts it, as the simulator does)
+    kill_coordinator   SIGKILL of the coordinator (its supervisor restarts it)
+    stop_worker        SIGSTOP of a worker for dead_after_s + 5 s, then SIGCONT (a frozen GPU process)
+    eio_burst          10 s of EIO on 5% of the reads, writes and fsyncs of one worker's mount (a soft mount)
+    hang_mount         every call on one worker's mount blocks for 60 s (a hard mount whose server is away)
+    disk_full          the backing filesystem filled for 30 s (ENOSPC on every mount), then freed
+    bad_delta          a worker publishes a well-formed but bad delta: x100, sign-flipped or noise of its norm
+    join               one more worker (the next free id) joins the live run
+    leave              a worker leaves (SIGTERM)
+    move_coordinator   the coordinator is killed and started again on another machine's mount
+
+Invariants, checked live (every committed round as it appears, from the backing folder) and at the end:
+    - every round committed exactly once (one COMMITTED marker, never rewritten; one metrics row per round);
+    - θ of every committed round equals the replay of its committed deltas (the outer step is averaging, outer.lr 1
+      and momentum 0, so the replay is exact: Σ tokens·Δ in float64 in the coordinator's way; rounds pruned before
+      the checker saw them are counted, not failed);
+    - no data window read twice (the metrics rows' data slices);
+    - every rejected or missing delta has a reason in metrics; every bad delta is kept out of the average;
+    - no traceback in any log;
+    - RSS of the coordinator and of each worker grows at most 10% from round 100 (--quick: a quarter of the rounds)
+      to the end, open file descriptors flat, BASE_DIR's size bounded;
+    - the final model loads with transformers.
+
+Writes DIR/soak.md (the faults: when, what, what the system did; the invariants; RSS, fd and disk curves in
+soak.png), DIR/soak.json, the run's timeline.png, and the logs in DIR/logs. The last line printed is
+`soak: R rounds, F faults of K kinds, V invariant violations (report: DIR/soak.md)`; exit 0 when V = 0, else 1.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import REPO
+
+from tests.helpers.fusefs import fuse_skip_reason, nfs_mount  # one FUSE mount per process (common put REPO on path)
+
+KINDS = ("kill_worker", "kill_supervisor", "kill_coordinator", "stop_worker", "eio_burst", "hang_mount",
+         "disk_full", "bad_delta", "join", "leave", "move_coordinator")
+BAD_KINDS = ("scale", "flip", "noise")
+PROJECT = "soak"
+
+
+# -- the run's config ------------------------------------------------------------------------------------------------
+def soak_config(workers: int, rounds: int, H: int, dead_after: float) -> dict:
+    """The micro Llama on the shipped corpus, a round of about a second; averaging (the exact replay)."""
+    return {
+        "project_name": PROJECT, "seed": 0,
+        "model": {"name": str(REPO / "configs" / "micro-llama.json"), "tokenizer": str(REPO / "data" / "tokenizer")},
+        "data": {"dataset": str(REPO / "data" / "corpus"), "seq_length": 32, "eval_fraction": 0.02},
+        "inner": {"lr": 3e-3, "warmup_steps": 2, "per_device_batch_size": 8, "total_batch_size": 8, "threads": 1,
+                  "device": "cpu"},
+        "outer": {"num_workers": workers, "min_workers": max(1, workers // 2), "rounds": rounds, "local_steps": H,
+                  "lr": 1.0, "momentum": 0.0, "poll_interval_s": 0.1, "round_timeout_s": 300,
+                  "dead_after_s": dead_after, "startup_grace_s": 60, "keep_rounds": 4, "max_restarts": 1000},
+        "eval": {"batch_size": 8, "batches": 2, "every": 10},
+        "logging": {"progress": False, "plot": True},
+    }
+
+
+# -- processes -------------------------------------------------------------------------------------------------------
+def children(pid: int | None) -> list[int]:
+    if pid is None:
+        return []
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def proc_stats(pid: int) -> tuple[float, int] | None:
+    """(RSS in MB, open fds) of a live process, None when it is gone."""
+    try:
+        rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if line.startswith("VmRSS:")) / 1024
+        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+@dataclass
+class Role:
+    """A worker or the coordinator: its mount, control file and current LocalProcess."""
+    name: str
+    mount: Path
+    control: Path
+    proc: object = None
+    busy_until: float = 0.0  # stopped / hung: not a target of another fault until then
+    gone: bool = False       # left (SIGTERM) or replaced (the coordinator moved)
+
+    def child(self) -> int | None:
+        kids = children(self.proc.pid) if self.proc is not None else []
+        return kids[0] if kids else None
+
+
+def set_control(path: Path, **state) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+@dataclass
+class Fault:
+    t: float
+    kind: str
+    target: str
+    detail: str = ""
+    until: float | None = None
+    round_at_start: int = 0
+    round_at_end: int | None = None
+    observed: list[str] = field(default_factory=list)
+    wall: float = field(default_factory=time.time)
+
+
+# -- the live checker ------------------------------------------------------------------------------------------------
+class Checker:
+    """Reads the backing folder (the server's view, no client cache) and checks every committed round once."""
+
+    def __init__(self, run: Path):
+        self.run = run
+        self.seen: dict[int, str] = {}     # round -> sha256 of its COMMITTED file
+        self.checked: list[int] = []
+        self.unchecked: list[int] = []     # pruned before the checker saw both θ's and the deltas
+        self.violations: list[str] = []
+        self.tokens: dict[int, dict] = {}
+
+    def latest(self) -> int:
+        return max(self.seen) if self.seen else 0
+
+    def poll(self) -> None:
+        rounds = self.run / "rounds"
+        try:
+            names = sorted(os.listdir(rounds))
+        except OSError:
+            return
+        for name in names:
+            if not (name.startswith("r") and name[1:].isdigit()):
+                continue
+            r = int(name[1:])
+            marker = rounds / name / "COMMITTED"
+            try:
+                data = marker.read_bytes()
+            except OSError:
+                continue
+            sha = hashlib.sha256(data).hexdigest()
+            if r in self.seen:
+                if self.seen[r] != sha:
+                    self.violations.append(f"round {r}: its COMMITTED marker was rewritten (committed twice)")
+                    self.seen[r] = sha
+                continue
+            self.seen[r] = sha
+            if r > 0:
+                try:
+                    self.replay(r, json.loads(data))
+                except FileNotFoundError:
+                    self.unchecked.append(r)
+
+    def replay(self, r: int, rec: dict) -> None:
+        """θ_r = θ_{r-1} − mean of round r−1's accepted deltas (and late ones), bit for bit."""
+        import torch
+        from safetensors.torch import load_file
+
+        from train.exchange.outer import outer_step_tensor
+
+        prev, cur = self.run / "rounds" / f"r{r - 1:06d}", self.run / "rounds" / f"r{r:06d}"
+        theta0 = load_file(str(prev / "global" / "model.safetensors"))
+        theta1 = load_file(str(cur / "global" / "model.safetensors"))
+        parts = [(prev / "deltas", w, 1.0) for w in rec["workers"]]
+        for key, late in (rec.get("late") or {}).items():
+            parts.append((self.run / "rounds" / f"r{late['round']:06d}" / "deltas", int(key[1:]), late["weight"]))
+        acc: dict[str, torch.Tensor] = {}
+        total = 0.0
+        for folder, w, weight in parts:
+            meta = json.loads((folder / f"w{w:03d}.json").read_text())
+            d = load_file(str(folder / f"w{w:03d}.safetensors"))
+            a = float(meta["tokens"]) * weight
+            for n, t in d.items():
+                t = t.to(torch.float64)
+                acc[n] = t.mul_(a) if n not in acc else acc[n].add_(t, alpha=a)
+            total += a
+        for n, t in theta0.items():
+            want, _ = outer_step_tensor(t, (acc[n] / total).to(torch.float32), None, 1.0, 0.0, True)
+            if not torch.equal(want, theta1[n]):
+                self.violations.append(f"round {r}: θ differs from the replay of its committed deltas ({n})")
+                break
+        self.checked.append(r)
+
+
+# -- the soak ----------------------------------------------------------------------------------------------------------
+class Soak:
+    def __init__(self, a: argparse.Namespace):
+        self.a = a
+        self.out = Path(a.out).resolve()
+        self.rng = random.Random(a.seed)
+        self.t0 = time.monotonic()
+        self.faults: list[Fault] = []
+        self.samples: list[dict] = []      # {t, round, disk_mb, <role>: [rss, fds, pid]}
+        self.bad: list[tuple[int, int, str]] = []  # (worker, round, kind)
+        self.lines: list[str] = []
+        self.stack = contextlib.ExitStack()
+        self.fill_path: Path | None = None
+        self.tmpfs = False
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def say(self, text: str) -> None:
+        line = f"[{self.now():7.1f} s] {text}"
+        print(line, flush=True)
+        self.lines.append(line)
+
+    # -- set-up ----------------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from train.launch.procs import child_env
+
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        (self.out / "logs").mkdir(parents=True)
+        (self.out / "control").mkdir()
+        (self.out / "bad").mkdir()
+        disk = self.out / "disk"
+        disk.mkdir()
+        if os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.a.disk_mb}m", "tmpfs",
+                                                 str(disk)], capture_output=True).returncode == 0:
+            self.tmpfs = True
+            self.stack.callback(lambda: subprocess.run(["umount", "-l", str(disk)], capture_output=True))
+        else:
+            self.say("note: cannot mount a tmpfs here (not root?): disk_full switches ENOSPC on in every mount instead")
+        self.backing = disk / "export"
+        self.backing.mkdir()
+        self.run = self.backing / PROJECT
+        cfg = soak_config(self.a.workers, self.a.rounds, self.a.local_steps, self.a.dead_after)
+        self.cfg_path = self.out / "evolution.json"
+        self.cfg_path.write_text(json.dumps(cfg, indent=1))
+        self.env = dict(child_env(1), SOAK_BAD_DELTAS=str(self.out / "bad"), OMP_NUM_THREADS="1")
+        names = ["coordinator", "coordinator-b"] + [f"worker-{w}" for w in range(self.a.workers + self.a.max_joins)]
+        self.roles: dict[str, Role] = {}
+        for i, name in enumerate(names):
+            control = self.out / "control" / f"{name}.json"
+            set_control(control)
+            mount = self.stack.enter_context(nfs_mount(self.backing, self.out / "mnt" / name, lookup_ttl=10, seed=i,
+                                                       control=control))
+            self.roles[name] = Role(name, mount, control)
+        self.coordinator = "coordinator"
+        self.next_worker = self.a.workers
+
+    def start(self, role: Role, worker: int | None) -> None:
+        from train.launch.procs import LocalProcess
+
+        sets = ["--set", f"base_dir={role.mount}"]
+        if worker is None:
+            argv = [sys.executable, str(REPO / "diloco.py"), "--config", str(self.cfg_path), "--no-progress", *sets]
+        else:
+            argv = [sys.executable, str(REPO / "bench" / "soak_worker.py"), "--config", str(self.cfg_path),
+                    "--worker", str(worker), "--threads", "1", *sets]
+        role.proc = LocalProcess(role.name.replace("-", " "), argv, self.out / "logs" / f"{role.name}.log", self.env,
+                                 max_restarts=1000)
+        role.proc.start()
+
+    def workers(self, live_only: bool = True) -> list[Role]:
+        now = time.monotonic()
+        return [r for n, r in self.roles.items() if n.startswith("worker") and r.proc is not None and not r.gone
+                and (not live_only or r.busy_until <= now)]
+
+    # -- faults ----------------------------------------------------------------------------------------------------
+    def inject(self, kind: str) -> Fault | None:
+        now = time.monotonic()
+        live = self.workers()
+        coord = self.roles[self.coordinator]
+        r = self.checker.latest()
+        f = Fault(self.now(), kind, "", round_at_start=r)
+        enough = len(self.workers(live_only=False)) > self.a.workers // 2 + 1  # room to lose one more
+        if kind in ("kill_worker", "kill_supervisor", "stop_worker", "eio_burst", "hang_mount", "bad_delta", "leave"):
+            if not live or (kind in ("stop_worker", "hang_mount", "leave") and not enough):
+                return None
+            role = self.rng.choice(live)
+            f.target = role.name
+        if kind == "kill_worker":
+            pid = role.child()
+            if pid is None:
+                return None
+            os.kill(pid, signal.SIGKILL)
+            f.detail = f"SIGKILL pid {pid}"
+        elif kind == "kill_supervisor":
+            pid = role.proc.pid
+            os.kill(pid, signal.SIGKILL)
+            f.detail = f"SIGKILL supervisor pid {pid}"
+        elif kind == "kill_coordinator":
+            pid = coord.child()
+            if pid is None:
+                return None
+            os.kill(pid, signal.SIGKILL)
+            f.target, f.detail = coord.name, f"SIGKILL pid {pid}"
+        elif kind == "stop_worker":
+            pid = role.child()
+            if pid is None:
+                return None
+            hold = self.a.dead_after + 5
+            os.kill(pid, signal.SIGSTOP)
+            role.busy_until = now + hold + 2
+            f.detail, f.until = f"SIGSTOP pid {pid} for {hold:g} s", self.now() + hold
+            threading.Timer(hold, lambda: os.kill(pid, signal.SIGCONT)).start()
+        elif kind == "eio_burst":
+            set_control(role.control, error_rate=0.05)
+            f.detail, f.until = "EIO on 5% of reads, writes, fsyncs for 10 s", self.now() + 10
+            role.busy_until = now + 10
+            threading.Timer(10, lambda: set_control(role.control)).start()
+        elif kind == "hang_mount":
+            set_control(role.control, hang=True)
+            f.detail, f.until = f"every call on its mount blocks for {self.a.hang_s:g} s", self.now() + self.a.hang_s
+            role.busy_until = now + self.a.hang_s + 5
+            threading.Timer(self.a.hang_s, lambda: set_control(role.control)).start()
+        elif kind == "disk_full":
+            if any(x.kind == "disk_full" and x.until and x.until > self.now() for x in self.faults):
+                return None
+            f.target = "every mount"
+            f.detail, f.until = f"filesystem full for {self.a.full_s:g} s", self.now() + self.a.full_s
+            f.detail += " (" + self.fill_disk() + ")"
+            threading.Timer(self.a.full_s, self.free_disk).start()
+        elif kind == "bad_delta":
+            w = int(role.name.split("-")[1])
+            rr = r + 2  # a round it has not started yet
+            bad = self.rng.choice(BAD_KINDS)
+            (self.out / "bad" / f"w{w:03d}-r{rr:06d}.json").write_text(json.dumps({"kind": bad}))
+            self.bad.append((w, rr, bad))
+            f.detail = f"its delta of round {rr}: {bad}"
+        elif kind == "join":
+            if self.next_worker >= self.a.workers + self.a.max_joins:
+                return None
+            role = self.roles[f"worker-{self.next_worker}"]
+            self.start(role, self.next_worker)
+            f.target, f.detail = role.name, f"worker {self.next_worker} joins"
+            self.next_worker += 1
+        elif kind == "leave":
+            role.proc.signal_group(signal.SIGTERM)
+            role.gone = True
+            f.detail = "SIGTERM (leaves)"
+        elif kind == "move_coordinator":
+            other = "coordinator-b" if self.coordinator == "coordinator" else "coordinator"
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(coord.proc.pid, signal.SIGKILL)
+            coord.gone = True
+            self.coordinator = other
+            self.roles[other].gone = False
+            self.start(self.roles[other], None)
+            f.target, f.detail = other, f"killed on {coord.name}'s mount, started on {other}'s"
+        self.faults.append(f)
+        self.say(f"fault {len(self.faults)}: {kind} {f.target}: {f.detail}")
+        return f
+
+    def fill_disk(self) -> str:
+        if not self.tmpfs:
+            for role in self.roles.values():
+                set_control(role.control, enospc=True)
+            return "ENOSPC switched on in every mount"
+        self.fill_path = self.backing.parent / "filler"
+        n = 0
+        with open(self.fill_path, "wb") as fh:
+            chunk = b"\0" * (1 << 20)
+            try:
+                while True:
+                    fh.write(chunk)
+                    n += 1
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+        return f"a {n} MB file fills the tmpfs"
+
+    def free_disk(self) -> None:
+        if not self.tmpfs:
+            for role in self.roles.values():
+                set_control(role.control)
+        elif self.fill_path is not None:
+            self.fill_path.unlink(missing_ok=True)
+        self.say("disk_full: space is back")
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def sample(self) -> None:
+        row = {"t": round(self.now(), 2), "round": self.checker.latest(), "disk_mb": round(du(self.run) / 1e6, 3)}
+        for name, role in self.roles.items():
+            if role.proc is None or role.gone:
+                continue
+            pid = role.child()
+            st = proc_stats(pid) if pid else None
+            if st:
+                row[name] = [round(st[0], 1), st[1], pid]
+        self.samples.append(row)
+
+    def main(self) -> int:
+        if (why := fuse_skip_reason()):
+            print(f"soak: needs FUSE: {why}", file=sys.stderr)
+            return 2
+        try:
+            self.setup()
+            self.checker = Checker(self.run)
+            self.start(self.roles["coordinator"], None)
+            for w in range(self.a.workers):
+                self.start(self.roles[f"worker-{w}"], w)
+            kinds = list(self.a.faults)
+            order = self.rng.sample(kinds, len(kinds))
+            deadline = self.t0 + self.a.timeout
+            next_fault = self.t0 + self.a.first_fault
+            last_sample = 0.0
+            tries: dict[str, int] = {}
+            while time.monotonic() < deadline:
+                self.checker.poll()
+                for role in self.roles.values():
+                    if role.proc is not None and not role.gone:
+                        role.proc.poll()
+                coord = self.roles[self.coordinator].proc
+                if coord.rc is not None:
+                    self.say(f"the coordinator ended: {coord.ending()}")
+                    break
+                if time.monotonic() - last_sample >= self.a.sample_s:
+                    self.sample()
+                    last_sample = time.monotonic()
+                latest = self.checker.latest()
+                stop_at = self.a.rounds - max(3, self.a.rounds // 10)  # the last rounds run without new faults
+                if time.monotonic() >= next_fault and latest >= 1 and latest < stop_at and (
+                        len(self.faults) < self.a.max_faults):
+                    kind = order[0] if order else self.rng.choice(kinds)
+                    done = self.inject(kind) is not None
+                    if order:  # each kind once first; one that has no target now goes to the back of the line
+                        order.pop(0)
+                        if not done and tries.get(kind, 0) < 3:
+                            tries[kind] = tries.get(kind, 0) + 1
+                            order.append(kind)
+                    next_fault = time.monotonic() + self.a.gap
+                time.sleep(0.25)
+            else:
+                self.say(f"timeout: {self.a.timeout:g} s passed before the run finished")
+            self.finish_procs()
+            self.checker.poll()
+            return self.report()
+        finally:
+            self.stack.close()
+
+    def finish_procs(self) -> None:
+        """The coordinator has ended: give the workers a moment to see DONE, then stop what is left."""
+        end = time.monotonic() + 60
+        for role in self.roles.values():
+            if role.proc is None or role.gone:
+                continue
+            while role.proc.poll() is None and time.monotonic() < end:
+                time.sleep(0.2)
+            if role.proc.poll() is None:
+                role.proc.signal_group(signal.SIGTERM)
+        time.sleep(1)
+        for role in self.roles.values():
+            if role.proc is not None:
+                role.proc.signal_group(signal.SIGKILL)
+
+    # -- the report ------------------------------------------------------------------------------------------------
+    def report(self) -> int:
+        from train.core.store import read_jsonl
+
+        violations = list(self.checker.violations)
+        rows = [r for r in read_jsonl(self.run / "metrics.jsonl") if r.get("round", 0) > 0] if (
+            self.run / "metrics.jsonl").exists() else []
+        rounds = [r["round"] for r in rows]
+        dup = sorted({k for k in rounds if rounds.count(k) > 1})
+        if dup:
+            violations.append(f"rounds with more than one metrics row: {dup}")
+        want = list(range(1, self.a.rounds + 1))
+        if sorted(set(rounds)) != want:
+            violations.append(f"committed rounds {len(set(rounds))} of {self.a.rounds} "
+                              f"(missing: {sorted(set(want) - set(rounds))[:10]})")
+        # no data window read twice
+        seen: dict[int, str] = {}
+        twice = 0
+        for row in rows:
+            for who, (off, n) in (row.get("data") or {}).items():
+                for i in range(off, off + n):
+                    if i in seen:
+                        twice += 1
+                    seen[i] = f"{who}@{row['round']}"
+        if twice:
+            violations.append(f"{twice} data windows were trained twice")
+        # every rejected or missing delta has a reason
+        for row in rows:
+            why = row.get("missing_why") or {}
+            for w in row.get("missing", []):
+                if not (why.get(f"w{w:03d}") or why.get(str(w))):
+                    violations.append(f"round {row['round']}: worker {w} missing without a reason")
+            for w, reason in (row.get("rejected") or {}).items():
+                if not reason:
+                    violations.append(f"round {row['round']}: {w} rejected without a reason")
+        # bad deltas kept out
+        by_round = {row["round"]: row for row in rows}
+        for w, rr, bad in self.bad:
+            row = by_round.get(rr + 1)
+            if row is None:
+                continue
+            late_in = any(f"w{w:03d}@{rr}" == k for k in (row.get("data") or {}))
+            nxt = by_round.get(rr + 2) or {}
+            late_next = f"w{w:03d}@{rr}" in (nxt.get("data") or {})
+            if w in row.get("workers_used", []) or late_in or late_next:
+                violations.append(f"round {rr}: worker {w}'s bad delta ({bad}) was averaged in")
+        # tracebacks
+        logs = sorted((self.out / "logs").glob("*.log")) + sorted((self.run / "logs").glob("*.log"))
+        tb = [p.name for p in logs if "Traceback (most recent call last)" in p.read_text(errors="replace")]
+        if tb:
+            violations.append(f"a traceback in {', '.join(tb)}")
+        # resources
+        res_lines, res_violations = self.resources()
+        violations += res_violations
+        # the final model
+        final = self.run / "final"
+        try:
+            from transformers import AutoModelForCausalLM
+
+            from train.core.model import quiet_transformers
+            quiet_transformers()
+            AutoModelForCausalLM.from_pretrained(str(final))
+            final_ok = f"{final} loads with transformers"
+        except Exception as e:  # noqa: BLE001  (any failure to load is the finding)
+            final_ok = f"{final} does not load: {type(e).__name__}: {e}"
+            violations.append(final_ok)
+        for f in self.faults:
+            self.observe(f, rows)
+        timeline = self.run / "timeline.png"
+        if timeline.exists():
+            shutil.copy(timeline, self.out / "timeline.png")
+        self.plot()
+        kinds = sorted({f.kind for f in self.faults})
+        committed = len(set(rounds))
+        md = self.markdown(committed, kinds, violations, res_lines, final_ok, rows)
+        (self.out / "soak.md").write_text(md)
+        (self.out / "soak.json").write_text(json.dumps({
+            "rounds": committed, "faults": [f.__dict__ for f in self.faults], "violations": violations,
+            "checked": len(self.checker.checked), "unchecked": len(self.checker.unchecked), "wall_s": self.now(),
+            "samples": self.samples, "args": vars(self.a)}, indent=1, default=str))
+        for v in violations:
+            print(f"VIOLATION: {v}")
+        print(f"soak: {committed} rounds, {len(self.faults)} faults of {len(kinds)} kinds, {len(violations)} "
+              f"invariant violations (report: {self.out / 'soak.md'})")
+        return 0 if not violations else 1
+
+    def observe(self, f: Fault, rows: list[dict]) -> None:
+        """What the system did: the rounds committed during the fault, the target's part in them, log lines."""
+        end = f.until if f.until is not None else f.t + self.a.gap
+        in_window = [s["round"] for s in self.samples if f.t <= s["t"] <= end + 5]
+        f.round_at_end = max(in_window) if in_window else f.round_at_start
+        f.observed.append(f"rounds {f.round_at_start} -> {f.round_at_end} committed meanwhile")
+        if f.target.startswith("worker"):
+            w = int(f.target.split("-")[1])
+            key = f"w{w:03d}"
+            missing = [(row["round"], (row.get("missing_why") or {}).get(key, "")) for row in rows
+                       if f.round_at_start < row["round"] <= f.round_at_end + 2 and w in row.get("missing", [])]
+            rejected = [(row["round"], row["rejected"][key]) for row in rows
+                        if f.round_at_start < row["round"] <= f.round_at_end + 3 and key in (row.get("rejected") or {})]
+            if missing:
+                f.observed.append(f"missing from rounds {[m[0] for m in missing]} ({missing[0][1] or 'no reason'})")
+            if rejected:
+                f.observed.append(f"rejected in round {rejected[0][0]}: {rejected[0][1]}")
+        log = self.out / "logs" / f"{f.target}.log"
+        if log.exists():
+            words = {"kill_worker": "restart", "kill_supervisor": "supervisor", "kill_coordinator": "restart",
+                     "disk_full": "full", "leave": "leav", "join": "join"}
+            word = words.get(f.kind)
+            if word:
+                after = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.wall - 1))
+                hits = [line.strip() for line in log.read_text(errors="replace").splitlines()
+                        if word in line and line[:19] >= after]  # the log's lines start with the wall time
+                if hits:
+                    f.observed.append(f"log: {hits[0][20:][-170:]}")
+
+    def resources(self) -> tuple[list[str], list[str]]:
+        lines, bad = [], []
+        ref_round = 100 if self.a.rounds >= 200 else max(1, self.a.rounds // 4)
+        roles = sorted({k for s in self.samples for k in s if k not in ("t", "round", "disk_mb")})
+        for name in roles:
+            pts = [(s["round"], *s[name]) for s in self.samples if name in s]
+            # the longest-lived incarnation (one pid) that spans the reference round
+            by_pid: dict[int, list] = {}
+            for rr, rss, fds, pid in pts:
+                by_pid.setdefault(pid, []).append((rr, rss, fds))
+            spans = [v for v in by_pid.values() if v[0][0] <= ref_round and v[-1][0] > ref_round]
+            if not spans:
+                lines.append(f"| {name} | - | - | - | no process lived from round {ref_round} on |")
+                continue
+            life = max(spans, key=len)
+            ref = next(p for p in life if p[0] >= ref_round)
+            last = life[-1]
+            growth = last[1] / ref[1] - 1
+            fd_growth = last[2] - ref[2]
+            verdict = "ok"
+            if growth > 0.10:
+                bad.append(f"{name}: RSS grew {growth:+.0%} from round {ref[0]} to {last[0]}")
+                verdict = "RSS grows"
+            if fd_growth > 4:
+                bad.append(f"{name}: open fds {ref[2]} -> {last[2]} from round {ref[0]} to {last[0]}")
+                verdict = "fds grow"
+            lines.append(f"| {name} | {ref[1]:.0f} -> {last[1]:.0f} MB ({growth:+.1%}) | {ref[2]} -> {last[2]} | "
+                         f"rounds {ref[0]}-{last[0]} | {verdict} |")
+        disk = [(s["round"], s["disk_mb"]) for s in self.samples]
+        if disk:
+            half = [d for rr, d in disk if rr <= self.a.rounds // 2] or [0.0]
+            rest = [d for rr, d in disk if rr > self.a.rounds // 2] or [0.0]
+            lines.append(f"\nBASE_DIR: at most {max(half):.1f} MB in the first half of the rounds, {max(rest):.1f} MB "
+                         f"in the second")
+            if max(rest) > 1.5 * max(half) + 1:
+                bad.append(f"BASE_DIR grows: {max(half):.1f} MB -> {max(rest):.1f} MB")
+        return lines, bad
+
+    def plot(self) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+        roles = sorted({k for s in self.samples for k in s if k not in ("t", "round", "disk_mb")})
+        for name in roles:
+            t = [s["t"] for s in self.samples if name in s]
+            axes[0].plot(t, [s[name][0] for s in self.samples if name in s], label=name, lw=0.8)
+            axes[1].plot(t, [s[name][1] for s in self.samples if name in s], label=name, lw=0.8)
+        axes[2].plot([s["t"] for s in self.samples], [s["disk_mb"] for s in self.samples], color="k", lw=0.8)
+        for ax, label in zip(axes, ("RSS (MB)", "open fds", "BASE_DIR (MB)")):
+            ax.set_ylabel(label)
+            for f in self.faults:
+                if f.until:
+                    ax.axvspan(f.t, f.until, color="tab:red", alpha=0.08)
+                else:
+                    ax.axvline(f.t, color="tab:red", alpha=0.3, lw=0.6)
+        axes[0].legend(fontsize=6, ncol=4)
+        axes[2].set_xlabel("seconds (red: faults)")
+        fig.tight_layout()
+        fig.savefig(self.out / "soak.png", dpi=110)
+        plt.close(fig)
+
+    def markdown(self, committed, kinds, violations, res_lines, final_ok, rows) -> str:
+        a = self.a
+        out = [f"# Soak: {a.workers} workers x {a.rounds} rounds, seed {a.seed}", "",
+               f"`python bench/soak.py {' '.join(sys.argv[1:])}` — {self.now():.0f} s wall, {committed} rounds "
+               f"committed, {len(self.faults)} faults of {len(kinds)} kinds ({', '.join(kinds)}), "
+               f"{len(violations)} invariant violations. Disk: "
+               f"{'a tmpfs of %d MB' % a.disk_mb if self.tmpfs else 'ENOSPC switched in the mounts'}.", "",
+               "## Faults", "", "| # | at (s) | kind | target | what | what the system did |",
+               "|---|---|---|---|---|---|"]
+        for i, f in enumerate(self.faults, 1):
+            out.append(f"| {i} | {f.t:.0f} | {f.kind} | {f.target} | {f.detail} | {'; '.join(f.observed)} |")
+        rej = sum(len(r.get("rejected") or {}) for r in rows)
+        miss = sum(len(r.get("missing") or []) for r in rows)
+        out += ["", "## Invariants", "",
+                f"- rounds committed once: {committed} of {a.rounds}, each marker read once and never rewritten",
+                f"- θ replayed bit for bit from the committed deltas: {len(self.checker.checked)} rounds checked, "
+                f"{len(self.checker.unchecked)} pruned before the checker saw them",
+                f"- deltas rejected: {rej}, missing: {miss} (each with its reason in metrics.jsonl); bad deltas "
+                f"injected: {len(self.bad)}",
+                f"- final model: {final_ok}", "",
+                "| process | RSS from the reference round to the end | open fds | span | verdict |",
+                "|---|---|---|---|---|", *res_lines, "",
+                "![RSS, fds and BASE_DIR size](soak.png)", "", "The run's timeline: ![timeline](timeline.png)", ""]
+        out += ["## Violations", ""] + ([f"- {v}" for v in violations] or ["none"]) + [""]
+        return "\n".join(out)
+
+
+def du(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="4 workers, 80 rounds, 16 faults, a gap of 9 s")
+    ap.add_argument("--workers", type=int, default=None, help="workers at the start (default 8; --quick 4)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 1000; --quick 80)")
+    ap.add_argument("--local-steps", type=int, default=5, help="H (default %(default)s: a round of about a second)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="the report's folder (default: a new temp folder)")
+    ap.add_argument("--faults", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
+                    help=f"fault kinds (default: all of {', '.join(KINDS)})")
+    ap.add_argument("--gap", type=float, default=None, help="seconds between two faults (default 30; --quick 9)")
+    ap.add_argument("--max-faults", type=int, default=None, help="at most this many faults (default: no limit; "
+                                                                  "--quick 16)")
+    ap.add_argument("--dead-after", type=float, default=6.0, help="outer.dead_after_s (default %(default)s)")
+    ap.add_argument("--hang-s", type=float, default=60.0, help="how long a hung mount blocks (default 60)")
+    ap.add_argument("--full-s", type=float, default=30.0, help="how long the disk stays full (default 30)")
+    ap.add_argument("--disk-mb", type=int, default=256, help="size of the tmpfs BASE_DIR lies on (default 256)")
+    ap.add_argument("--max-joins", type=int, default=2, help="workers that may join (default 2)")
+    ap.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: 4 h; "
+                                                                 "--quick 420)")
+    ap.add_argument("--sample-s", type=float, default=1.0, help="seconds between RSS / fd / disk samples")
+    ap.add_argument("--first-fault", type=float, default=5.0, help="seconds before the first fault")
+    a = ap.parse_args(argv)
+    q = a.quick
+    a.workers = a.workers or (4 if q else 8)
+    a.rounds = a.rounds or (80 if q else 1000)
+    a.gap = a.gap or (9.0 if q else 30.0)
+    a.max_faults = a.max_faults or (16 if q else 10 ** 6)
+    a.timeout = a.timeout or (420.0 if q else 4 * 3600.0)
+    a.out = a.out or tempfile.mkdtemp(prefix="edt-soak-")
+    if a.workers < 3:
+        ap.error("--workers must be >= 3 (the screen of bad deltas needs 3 deltas in a round)")
+    return a
+
+
+if __name__ == "__main__":
+    sys.exit(Soak(parse_args()).main())
