@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.helpers import REPO
-from tests.helpers.proc import kill_all, script_cmd, start_script, wait_until, progress_of
+from tests.helpers.proc import kill_all, kill_and_await_restart, progress_of, script_cmd, start_script, wait_until
 from train.config import build_config
 from train.core.store import read_json, read_jsonl, verify_manifest
 from train.diloco.store import DiLoCoPaths
@@ -108,6 +108,12 @@ def test_a_killed_simulator_takes_its_supervised_worker_with_it_at_once(tmp_path
                 os.kill(pid, signal.SIGKILL)
 
 
+def _parent(pid: int) -> int:
+    """The parent of a process on this host (a worker's: its supervisor)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def _running(pid: int | None) -> bool:
     from train.exchange.membership import local_pid_alive
     return isinstance(pid, int) and pid > 0 and local_pid_alive(pid)
@@ -129,7 +135,7 @@ def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes
         wait_until(lambda: progress_of(paths, 1).get("round", -1) >= 1 and progress_of(paths, 1).get("status") ==
                    "training" and progress_of(paths, 1).get("step", 0) >= 3, 300, "worker 1 training in round 1", sim)
         victim = progress_of(paths, 1)["pid"]
-        os.kill(victim, signal.SIGKILL)
+        kill_and_await_restart(paths, 1, lambda: os.kill(victim, signal.SIGKILL), sim)  # the survivors cannot finish
         out, _ = sim.communicate(timeout=400)
     finally:
         if sim.poll() is None:
@@ -163,6 +169,7 @@ def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path, write_confi
                    >= 3, 300, "worker 1 training", sim)
         m = Membership(paths, 2, build_config(json.loads(open(cfg).read())).outer)
         rec = progress_of(paths, 1)
+        sup = _parent(rec["pid"])
         os.kill(rec["pid"], signal.SIGTERM)
         t0 = time.monotonic()
         wait_until(lambda: progress_of(paths, 1).get("status") == "left", 30, "worker 1's final heartbeat", sim)
@@ -171,8 +178,9 @@ def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path, write_confi
         assert d.gone == {1: "exited (status left)"} and d.close
         state = read_json(paths.worker_state(1)) if paths.worker_state(1).is_file() else {"round_done": -1}
         final = progress_of(paths, 1)
-        time.sleep(2.5)  # a restart would come after 1 s
-        assert progress_of(paths, 1) == final  # nothing restarted: the final record stays
+        # nothing restarted: its supervisor exits (a restart would come from it) and the final record stays
+        wait_until(lambda: not _running(sup), 30, "worker 1's supervisor exits", sim)
+        assert progress_of(paths, 1) == final
     finally:
         sim.send_signal(signal.SIGINT)
         try:
@@ -372,7 +380,8 @@ def test_a_late_delta_is_folded_into_the_next_round_with_its_staleness_weight(tm
         wait_until(training_round_1, 300, "worker 1 training round 1", sim)
         pid = progress_of(paths, 1)["pid"]
         os.kill(pid, signal.SIGSTOP)
-        try:
+        try:  # frozen mid-round: what it trains must not be published yet (else the test aimed too late)
+            assert not paths.delta_meta(1, 1).exists(), "worker 1 was frozen after it published round 1"
             wait_until(lambda: paths.committed(2).is_file(), 120, "round 1 closed without worker 1", sim)
         finally:
             os.kill(pid, signal.SIGCONT)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.helpers import REPO, tiny_config
-from tests.helpers.proc import (kill_sim_at_random_moments, progress_of, run_script, script_cmd, wait_until,
-                          wait_until_workers_gone)
+from tests.helpers.proc import (held, kill_sim_at_random_moments, progress_of, run_script, script_cmd, wait_until,
+                                wait_until_workers_gone)
 from train.config import build_config
 from train.diloco.coordinator import Coordinator
 from train.core.store import read_json, read_jsonl, verify_manifest
@@ -39,7 +39,10 @@ def test_sigkill_worker_mid_round_then_rerun_finishes(write_config, tmp_path):
     try:
         wait_until(lambda: progress_of(paths, 1).get("round", -1) >= 1 and progress_of(paths, 1).get("status") ==
                    "training" and progress_of(paths, 1).get("step", 0) >= 3, 240, "worker 1 training in round 1", sim)
-        os.kill(progress_of(paths, 1)["pid"], signal.SIGKILL)
+        pid = progress_of(paths, 1)["pid"]
+        with held(pid):  # frozen mid round 1, then killed: the kill lands before its round-1 delta is published
+            assert read_json(paths.worker_state(1))["round_done"] == 0, "worker 1 was frozen after round 1's end"
+            os.kill(pid, signal.SIGKILL)
         out, _ = sim.communicate(timeout=120)
     finally:
         if sim.poll() is None:

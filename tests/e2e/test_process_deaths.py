@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from tests.helpers import REPO, tiny_config
-from tests.helpers.proc import script_cmd, wait_until
+from tests.helpers.proc import kill_and_await_restart, script_cmd, wait_until
 from train.core.coordinator_lease import CoordinatorLease, CoordinatorWatch, coordinator_lease_path
 from train.core.heartbeat import pid_alive
 from train.core.store import atomic_write_json, read_json, read_jsonl, verify_manifest
@@ -201,11 +201,12 @@ def _check_finished(paths: DiLoCoPaths, rounds: int, H: int) -> list[dict]:
 
 
 def _run_sim(cfg: str, ready, kill) -> tuple[subprocess.Popen, str, object]:
+    """Start diloco_sim.py, wait for ready(), call kill(sim); the simulator, its output and what kill returned."""
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         wait_until(ready, 240, "the moment to kill", sim)
-        victim = kill()
+        victim = kill(sim)
         out, _ = sim.communicate(timeout=240)
     finally:
         if sim.poll() is None:
@@ -228,7 +229,7 @@ def test_sigkill_the_coordinator_the_workers_say_so_and_the_run_finishes(tmp_pat
         rec = _read(lease)
         return rec.get("status") == "collecting" and rec.get("round", 0) >= 1
 
-    def kill() -> int:
+    def kill(sim) -> int:
         pid = _read(lease)["pid"]
         os.kill(pid, signal.SIGKILL)
         return pid
@@ -261,14 +262,16 @@ def test_sigkill_a_supervisor_the_simulator_restarts_it_and_the_run_finishes(tmp
         rec = _read(paths.progress(1))
         return rec.get("round", -1) >= 1 and rec.get("status") == "training" and rec.get("step", 0) >= 3
 
-    def kill() -> tuple[int, int]:
+    def kill_supervisor() -> tuple[int, int]:
         worker = _read(paths.progress(1))["pid"]
         with open(f"/proc/{worker}/stat") as f:
             sup = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent: the supervisor
         os.kill(sup, signal.SIGKILL)
         return sup, worker
 
-    sim, out, (sup, worker) = _run_sim(cfg, ready, kill)
+    # the coordinator held until worker 1 is back: worker 0 alone cannot finish the run before the restart
+    sim, out, (sup, worker) = _run_sim(cfg, ready,
+                                       lambda sim: kill_and_await_restart(paths, 1, kill_supervisor, sim))
     assert sim.returncode == 0, out[-3000:]
     said = (f"the supervisor of worker 1 (pid {sup}) was killed by signal 9; its worker stopped with it; restarting "
             f"both, 1/3")

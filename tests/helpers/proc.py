@@ -1,6 +1,7 @@
 """Helpers for tests that run the real scripts as subprocesses."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -112,3 +113,40 @@ def progress_of(paths, w: int) -> dict:
     except (OSError, ValueError):
         return {}
 
+
+
+@contextlib.contextmanager
+def held(*pids: int):
+    """SIGSTOP the processes `pids` for the block (those that would otherwise race ahead of the event a test waits
+    for), SIGCONT them when it ends, also when it raises. A held process keeps its pid: the run sees it alive."""
+    stopped = []
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def coordinator_pid(paths) -> int:
+    """The pid in the run's coordinator lease (the coordinator process itself, under the simulator's supervisor)."""
+    from train.core.coordinator_lease import coordinator_lease_path
+    from train.core.store import read_json
+    return int(read_json(coordinator_lease_path(paths.root))["pid"])
+
+
+def kill_and_await_restart(paths, w: int, kill, sim: subprocess.Popen, timeout: float = 120):
+    """kill() (it SIGKILLs worker w, or its supervisor) while the coordinator is held (SIGSTOP), and hold it until
+    the restarted worker w has resumed from its state (its log's "resumed worker state"); returns what kill()
+    returned. Without the hold, the surviving workers can finish the run before the restart is up (the coordinator
+    rightly goes on without a dead worker): the restart is the event, not the survivors' speed."""
+    log = paths.worker_log(w)
+    before = log.read_text().count("resumed worker state") if log.is_file() else 0
+    with held(coordinator_pid(paths)):
+        victim = kill()
+        wait_until(lambda: log.read_text().count("resumed worker state") > before, timeout,
+                   f"worker {w} restarted and resumed", sim)
+    return victim
