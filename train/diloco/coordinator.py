@@ -31,6 +31,7 @@ from train.exchange.master import OuterMaster
 from train.exchange.membership import Membership, workers_alive
 from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
 from train.exchange.reduce import arrived, prune_rounds
+from train.exchange.screen import STREAK, screen_round
 from train.diloco.overlap import for_config
 from train.status.recorder import TimelineRecorder
 from train.core.store import (
@@ -285,6 +286,7 @@ class Coordinator:
             time.sleep(oc.poll_interval_s)
         bar.close()
         self.lease.set("reducing", round=r)
+        self.screen(r, acc, rejected)
         self.membership.record_round()
         self.missing_why = {f"w{w:03d}": v for w, v in why.items()}
         if len(acc.workers) < oc.min_workers:
@@ -295,6 +297,31 @@ class Coordinator:
             self.missing_why.setdefault(f"w{w:03d}", f"not awaited: the run has {N} workers from round "
                                                      f"{self.layout.last['from_round']} (data layout)")
         return acc, rejected, missing, t_last
+
+    def screen(self, r: int, acc: Accumulator, rejected: dict[int, str]) -> None:
+        """outer.screen (train/exchange/screen.py): the round's on-time deltas, as a set, once it closed; a rejected
+        one joins `rejected` (its reason in metrics.jsonl) and is never averaged. A worker screened out STREAK rounds
+        in a row is said in one line (and again each STREAK more), and listed in the round's record."""
+        oc = self.cfg.outer
+        self.screen_info, self.screen_streak = {}, {}
+        if not oc.screen:
+            return
+        out, self.screen_info = screen_round(acc, oc.screen_norm_ratio, oc.screen_min_cosine)
+        streak = getattr(self, "_streak", {})
+        for w in list(streak):
+            if w in acc.workers:
+                del streak[w]
+        for w, why in sorted(out.items()):
+            rejected[w] = why
+            log.error("round %d: rejected delta of worker %d: %s", r, w, why)
+            streak[w] = streak.get(w, 0) + 1
+            if streak[w] % STREAK == 0:
+                log.error("worker %d: its delta was screened out %d rounds in a row (round %d: %s): that worker is "
+                          "training something else (its data, its hardware, a diverged state?); check its log, or "
+                          "stop it and restart it from the global model (docs/protocol.md, the screen)", w,
+                          streak[w], r, why)
+        self._streak = streak
+        self.screen_streak = {f"w{w:03d}": n for w, n in sorted(streak.items()) if n >= STREAK}
 
     def fold_late(self, r: int, acc: Accumulator) -> None:
         """outer.late_weight > 0: the deltas of round r - 1 that missed it (published since) go into round r with
@@ -349,6 +376,10 @@ class Coordinator:
         io = {"bytes_read": acc.bytes_read + self.master.theta.take_bytes(), "bytes_written": fields["bytes_written"]}
         record = round_record(r, sorted(ok), metas, rejected, missing, io, self._last_metrics(),
                               wait_s=round(t_wait, 3), reduce_s=round(t_reduce, 3))
+        if self.cfg.outer.screen:
+            record["screen"] = self.screen_info
+            if self.screen_streak:
+                record["screened_out_in_a_row"] = self.screen_streak
         record.update(codec=fields["codec"], checkpoint=fields["checkpoint"], missing_why=self.missing_why,
                       data={f"w{w:03d}": [metas[w]["data"]["offset"], metas[w]["data"]["read"]] for w in sorted(ok)})
         late = {f"w{w:03d}": {"round": r - 1, "weight": oc.late_weight, "tokens": m["tokens"]}

@@ -95,8 +95,10 @@ class OuterMaster:
         if self.sparse:
             from train.exchange.sparse import SparseAccumulator
 
-            return SparseAccumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted)
-        return Accumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted)
+            return SparseAccumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted,
+                                     screen=getattr(self.oc, "screen", False))
+        return Accumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted,
+                           screen=getattr(self.oc, "screen", False))
 
     def is_checkpoint_round(self, r: int) -> bool:
         return self.codec is None or r % self.oc.checkpoint_every == 0 or r >= self.last_round

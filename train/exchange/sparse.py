@@ -239,20 +239,28 @@ class SparseAccumulator:
     that every process that reads the same deltas computes the same mean, bit for bit. Same interface as
     train/exchange/accumulate.py's Accumulator (the coordinator adds deltas as they arrive)."""
 
-    def __init__(self, paths: RunPaths, r: int, shapes: dict[str, tuple], codec: SparseCodec, token_weighted: bool):
+    def __init__(self, paths: RunPaths, r: int, shapes: dict[str, tuple], codec: SparseCodec, token_weighted: bool,
+                 screen: bool = False):
+        from train.exchange.screen import DeltaStats
+
         self.paths, self.r, self.shapes, self.codec = paths, r, shapes, codec
         self.token_weighted = token_weighted
         self.stored: dict[tuple[int, int], tuple[float, dict]] = {}   # (0 on time / 1 late, worker) -> (a, tensors)
         self.workers: list[int] = []
         self.metas: dict[int, dict] = {}
+        self.weights: dict[int, float] = {}
         self.late: dict[int, dict] = {}
         self.bytes_read = 0
         self._sums: dict[str, torch.Tensor] | None = None
+        self.stats = DeltaStats(shapes) if screen else None  # outer.screen: of the decoded deltas
 
     def add(self, w: int, meta: dict, late_weight: float | None = None) -> None:
         late = late_weight is not None
         stored = read_checked_delta(self, self.r - 1 if late else self.r, w, meta)
         a = (float(meta["tokens"]) if self.token_weighted else 1.0) * (late_weight if late else 1.0)
+        if self.stats is not None and not late:
+            for n, shape in self.shapes.items():
+                self.stats.observe(w, n, self.codec.decode(n, stored, shape))
         self.stored[(int(late), w)] = (a, stored)
         self._sums = None
         if late:
@@ -260,6 +268,19 @@ class SparseAccumulator:
             return
         self.workers.append(w)
         self.metas[w] = meta
+        self.weights[w] = a
+
+    def drop(self, out: set[int]) -> None:
+        """Take the on-time deltas of workers `out` back out (the screen rejected them): the commit record then
+        lists the others only, and every copy of θ sums exactly those."""
+        for w in out:
+            self.stored.pop((0, w), None)
+            self.metas.pop(w, None)
+            self.weights.pop(w, None)
+            if self.stats is not None:
+                self.stats.forget(w)
+        self.workers = [w for w in self.workers if w not in out]
+        self._sums = None
 
     @property
     def total(self) -> float:

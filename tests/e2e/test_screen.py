@@ -1,0 +1,127 @@
+"""The screen (outer.screen, train/exchange/screen.py): a well-formed but bad delta — scaled x100, sign-flipped —
+among 4 workers' is rejected with its reason in metrics.jsonl and the commit record, never averaged, whatever the
+codec; every copy of θ (a fresh replay from the commit records) is bit-identical to the coordinator's. A worker
+screened out 3 rounds in a row is said in one line and listed in the round's record."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import tiny_config
+from train.config import build_config
+from train.core.store import read_json, read_jsonl
+from train.diloco.coordinator import Coordinator
+from train.exchange.outer import diloco_round
+from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
+from train.exchange.theta import GlobalTheta, theta_checksum
+
+W = 4
+
+
+def _coordinator(tmp_path, compression="none", **outer):
+    over = {"num_workers": W, "min_workers": 2, "round_timeout_s": 0.5, "rounds": 5, **outer}
+    if compression != "none":
+        over["compression"] = compression
+        if compression == "topk":
+            over.update(density=0.05, chunk_size=100)
+    cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000}, outer=over,
+                                   logging={"progress": False}))
+    co = Coordinator(cfg, progress=False)
+    co.setup()
+    return co
+
+
+def _deltas(theta, r: int, bad: str | None, bad_worker: int = 2) -> dict[int, dict]:
+    """Healthy deltas share a direction (as real workers' do), each with its own noise; one may be bad."""
+    g = torch.Generator().manual_seed(100 + r)
+    common = {k: torch.randn(v.shape, generator=g) for k, v in theta.items()}
+    out = {}
+    for w in range(W):
+        d = {k: (0.8 * common[k] + 0.6 * torch.randn(v.shape, generator=g)) * 1e-3 for k, v in theta.items()}
+        if w == bad_worker and bad == "x100":
+            d = {k: 100 * v for k, v in d.items()}
+        elif w == bad_worker and bad == "flipped":
+            d = {k: -v for k, v in d.items()}
+        elif w == bad_worker and bad == "noise":  # the same norm, another direction
+            n = {k: torch.randn(v.shape, generator=g) for k, v in d.items()}
+            scale = (sum(v.pow(2).sum() for v in d.values()) / sum(v.pow(2).sum() for v in n.values())).sqrt()
+            d = {k: v * scale for k, v in n.items()}
+        out[w] = d
+    return out
+
+
+def _publish(co, r: int, w: int, delta: dict) -> None:
+    theta = co.master.theta.tensors
+    params = {k: theta[k] - delta[k] for k in theta}  # the worker's model: Δ = θ_r − θ_w
+    file = write_delta(co.paths.delta_file(r, w), co.names, theta, params, co.master.delta_codec, r, w)
+    side = delta_sidecar(r, w, file, inner_steps=5, tokens=1000 * (w + 1), loss=3.0)
+    off, n = co.layout.slice(r, w)
+    side["data"] = {"segment": 0, "offset": off, "windows": n, "read": n}
+    publish_sidecar(co.paths, side)
+
+
+@pytest.mark.parametrize("compression", ["none", "int8", "topk"])
+@pytest.mark.parametrize("bad,reason", [("x100", "screen: norm"), ("flipped", "screen: cosine")])
+def test_a_bad_delta_is_screened_out_and_every_copy_of_theta_agrees(tmp_path, compression, bad, reason):
+    # topk's sparse deltas overlap less: healthy cosines with the others' mean measure 0.18-0.53 (dense: 0.63-0.87),
+    # so a flipped one sits near -0.3, above the default -0.5; docs/protocol.md advises -0.1 for topk runs
+    extra = {"screen_min_cosine": -0.1} if compression == "topk" and bad == "flipped" else {}
+    co = _coordinator(tmp_path, compression, **extra)
+    theta0 = {k: v.clone() for k, v in co.master.theta.tensors.items()}
+    deltas = _deltas(theta0, 0, bad)
+    for w, d in deltas.items():
+        _publish(co, 0, w, d)
+    rec = co.run_round(0)
+    co.evals.join()
+    assert rec["workers_used"] == [0, 1, 3], rec
+    assert reason in rec["rejected"]["w002"] and "outer.screen_" in rec["rejected"]["w002"], rec["rejected"]
+    committed = read_json(co.paths.committed(1))
+    assert committed["workers"] == [0, 1, 3] and reason in committed["rejected"]["w002"]
+    logged = read_jsonl(co.paths.metrics)[-1]
+    assert reason in logged["rejected"]["w002"] and set(logged["screen"]) == {"w000", "w001", "w002", "w003"}
+    # a fresh copy of θ, built from the run's files as a worker does, is the coordinator's, bit for bit
+    copy = GlobalTheta(co.paths, co.master.theta.codec)
+    copy.advance_to(1)
+    assert theta_checksum(copy.tensors, co.names) == theta_checksum(co.master.theta.tensors, co.names)
+    if compression == "none":  # and it is the outer step over the accepted deltas only (tokens 1000:2000:4000)
+        want, _ = diloco_round(theta0, [deltas[w] for w in (0, 1, 3)], [1000, 2000, 4000], None, co.cfg.outer.lr,
+                               co.cfg.outer.momentum, co.cfg.outer.nesterov)
+        for k in theta0:
+            torch.testing.assert_close(co.master.theta.tensors[k], want[k], rtol=1e-6, atol=1e-7)
+    else:  # the bad delta is not in θ_1: with it averaged in, θ_1 would be far away
+        moved = sum((co.master.theta.tensors[k] - theta0[k]).norm() ** 2 for k in theta0).sqrt()
+        healthy = sum(deltas[0][k].norm() ** 2 for k in theta0).sqrt()
+        assert moved < 3 * healthy * co.cfg.outer.lr
+
+
+def test_healthy_rounds_and_same_norm_noise_are_not_screened_out(tmp_path):
+    """Healthy deltas pass; so does noise of the same norm (cosine about 0: what the default cannot see)."""
+    co = _coordinator(tmp_path)
+    for r, bad in [(0, None), (1, "noise")]:
+        for w, d in _deltas(co.master.theta.tensors, r, bad).items():
+            _publish(co, r, w, d)
+        rec = co.run_round(r)
+        assert rec["rejected"] == {} and rec["workers_used"] == list(range(W)), rec
+
+
+def test_screen_off_averages_everything(tmp_path):
+    co = _coordinator(tmp_path, screen=False)
+    for w, d in _deltas(co.master.theta.tensors, 0, "x100").items():
+        _publish(co, 0, w, d)
+    rec = co.run_round(0)
+    assert rec["workers_used"] == list(range(W)) and rec["rejected"] == {} and "screen" not in rec
+
+
+def test_a_worker_screened_out_three_rounds_in_a_row_is_reported_once(tmp_path, caplog):
+    co = _coordinator(tmp_path)
+    recs = []
+    with caplog.at_level("ERROR", logger="coordinator"):
+        for r in range(4):
+            for w, d in _deltas(co.master.theta.tensors, r, "x100", bad_worker=1).items():
+                _publish(co, r, w, d)
+            recs.append(co.run_round(r))
+    co.evals.join()
+    said = [m for m in (rec.getMessage() for rec in caplog.records) if "rounds in a row" in m]
+    assert len(said) == 1 and said[0].startswith("worker 1: its delta was screened out 3 rounds in a row"), said
+    assert [r.get("screened_out_in_a_row") for r in recs] == [None, None, {"w001": 3}, {"w001": 4}]
+    assert all("w001" in r["rejected"] for r in recs)

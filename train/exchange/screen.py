@@ -1,0 +1,132 @@
+"""The screen (outer.screen): well-formed but bad deltas — scaled by a broken loss scale, sign-flipped, a diverged
+worker — rejected before they are averaged, in rounds with at least MIN_DELTAS on-time deltas.
+
+A round's deltas are screened as a set once the round closes, so the decision depends only on which deltas came,
+never on the order they arrived in:
+
+- **norm**: a delta whose L2 norm is over `ratio` x the median norm of the round's deltas, or under 1 / `ratio` x
+  (outer.screen_norm_ratio, default 5);
+- **direction**: then, among the deltas the norm check kept (at least MIN_DELTAS of them), a delta whose cosine with
+  the weighted mean of the others is below `min_cos` (outer.screen_min_cosine, default -0.5).
+
+Memory stays bounded while the coordinator reduces on arrival (it never holds the deltas): each delta's exact squared
+norm is summed while it is decoded, and a fixed strided sample of its decoded values is kept (every `stride`-th value
+of the model's flat parameter vector, `stride` a prime so it does not line up with tensor shapes; all of them for
+models of up to SAMPLE values), at most SAMPLE float64 values (8 MB) per delta. The cosines come from the small Gram
+matrix of these samples: exact up to SAMPLE parameters, an unbiased estimate above (its error, about 1/sqrt(SAMPLE)
+= 0.001 for dense deltas, is far below any threshold that matters). Nothing is read twice; the cost on the tail is
+one M x M Gram matrix and, only when something is rejected, the sum rebuilt from the accepted files.
+
+`decide` is the decision itself, on numbers only (unit-tested in tests/unit/test_screen.py).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+SAMPLE = 1 << 20   # sampled values kept per delta for the cosines (exact below this many parameters)
+MIN_DELTAS = 3     # the screen applies where a round has at least this many deltas
+STREAK = 3         # a worker screened out this many rounds in a row is reported (coordinator log and metrics)
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    return all(n % p for p in range(2, math.isqrt(n) + 1))
+
+
+def stride_for(numel: int, sample: int | None = None) -> int:
+    """1 (every value) for up to `sample` (SAMPLE) values, else the smallest prime >= numel / sample."""
+    sample = SAMPLE if sample is None else sample
+    if numel <= sample:
+        return 1
+    s = -(-numel // sample)
+    while not _is_prime(s):
+        s += 1
+    return s
+
+
+class DeltaStats:
+    """Per delta: its exact squared norm and its strided sample, fed tensor by tensor in the model's order."""
+
+    def __init__(self, shapes: dict[str, tuple]):
+        self.order = list(shapes)
+        total = sum(math.prod(s) for s in shapes.values())
+        self.stride = stride_for(total)
+        self.start: dict[str, int] = {}
+        pos = 0
+        for n in self.order:
+            self.start[n] = pos
+            pos += math.prod(shapes[n])
+        self.norm2: dict = {}
+        self.samples: dict = {}
+
+    def observe(self, key, name: str, d: torch.Tensor) -> None:
+        """Delta `key`'s decoded tensor `name` (any float dtype; read, not kept)."""
+        flat = d.reshape(-1).to(torch.float64)
+        self.norm2[key] = self.norm2.get(key, 0.0) + float(flat.dot(flat))
+        phase = (-self.start[name]) % self.stride
+        self.samples.setdefault(key, []).append(flat[phase::self.stride].clone())
+
+    def forget(self, key) -> None:
+        self.norm2.pop(key, None)
+        self.samples.pop(key, None)
+
+    def gram(self, keys: list) -> list[list[float]]:
+        if not keys:
+            return []
+        S = torch.stack([torch.cat(self.samples[k]) for k in keys])
+        return (S @ S.T).tolist()
+
+
+def decide(keys: list, norms: list[float], gram: list[list[float]], weights: list[float], ratio: float,
+           min_cos: float) -> tuple[dict, dict]:
+    """The screen's verdict on one round: ({key: reason} of the rejected, {key: {norm_ratio, cos}} of everyone).
+    `norms[i]`: delta i's exact L2 norm; `gram[i][j]`: the dot product of deltas i and j (of their samples);
+    `weights[i]`: its weight in the mean (tokens). Fewer than MIN_DELTAS deltas: nothing is screened."""
+    info: dict = {k: {} for k in keys}
+    if len(keys) < MIN_DELTAS:
+        return {}, info
+    med = statistics.median(norms)
+    rejected: dict = {}
+    for k, n in zip(keys, norms):
+        q = n / med if med > 0 else (1.0 if n == 0 else math.inf)
+        info[k]["norm_ratio"] = round(q, 4)
+        if q > ratio:
+            rejected[k] = f"screen: norm {n:.4g} is {q:.3g}x the round's median {med:.4g} (over " \
+                          f"outer.screen_norm_ratio = {ratio:g})"
+        elif q < 1 / ratio:
+            rejected[k] = f"screen: norm {n:.4g} is {q:.3g}x the round's median {med:.4g} (under 1 / " \
+                          f"outer.screen_norm_ratio = {1 / ratio:.3g})"
+    kept = [i for i, k in enumerate(keys) if k not in rejected]
+    if len(kept) < MIN_DELTAS:
+        return rejected, info
+    for i in kept:
+        others = [j for j in kept if j != i]
+        dot = sum(weights[j] * gram[i][j] for j in others)
+        o2 = sum(weights[j] * weights[l] * gram[j][l] for j in others for l in others)
+        if gram[i][i] <= 0 or o2 <= 0:
+            continue
+        cos = dot / math.sqrt(gram[i][i] * o2)
+        info[keys[i]]["cos"] = round(cos, 4)
+        if cos < min_cos:
+            rejected[keys[i]] = f"screen: cosine {cos:.3f} with the mean of the round's other deltas (below " \
+                                f"outer.screen_min_cosine = {min_cos:g})"
+    return rejected, info
+
+
+def screen_round(acc, ratio: float, min_cos: float) -> tuple[dict[int, str], dict]:
+    """Screen the on-time deltas an accumulator (accumulate.py's or sparse.py's, made with screen=True) added, and
+    drop the rejected from it. Returns ({worker: reason}, {"w000": {norm_ratio, cos}, ...})."""
+    st = acc.stats
+    if st is None:
+        return {}, {}
+    keys = sorted(w for w in acc.workers if w in st.norm2)
+    norms = [math.sqrt(st.norm2[w]) for w in keys]
+    rejected, info = decide(keys, norms, st.gram(keys) if len(keys) >= MIN_DELTAS else [],
+                            [acc.weights[w] for w in keys], ratio, min_cos)
+    if rejected:
+        acc.drop(set(rejected))
+    return rejected, {f"w{w:03d}": v for w, v in info.items() if v}
