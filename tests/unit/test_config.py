@@ -423,3 +423,28 @@ def test_h_schedule_gives_each_round_its_h_and_the_cosine_their_sum():
     assert build_config({"outer": {"rounds": 3, "local_steps": 7}}).total_inner_steps == 21
     assert build_config({"outer": {"rounds": 6, "local_steps_schedule": [[2, 10]]},
                          "inner": {"total_steps": 99}}).total_inner_steps == 99  # given: used as is
+
+
+def test_choices_are_literal_types_and_a_bad_one_is_one_line():
+    """Every field with a fixed set of values is typed `Literal[...]` (the schema says what is allowed); the loader
+    refuses anything else with the choices."""
+    from train.config import field_types
+    from train.config.fields import literal_choices
+
+    seen = 0
+
+    def walk(cls):
+        nonlocal seen
+        hints = field_types(cls)
+        inst = cls()
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                walk(t)
+            elif typing.get_origin(t) is typing.Literal:
+                seen += 1
+                assert getattr(inst, f.name) in literal_choices(t), f.name
+    walk(RunConfig)
+    assert seen >= 13
+    with pytest.raises(ConfigError, match=r"outer\.compression = \"int3\": must be one of none, int8, int4"):
+        build_config({"outer": {"compression": "int3"}})

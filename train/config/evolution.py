@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import typing
+from typing import Literal
 from dataclasses import dataclass
 
 from train.config.fields import bad_value, check_choice, check_range, check_span, doc
@@ -19,12 +20,14 @@ class EDTConfig:
     mutation_strength: float = doc(0.1, "Standard deviation of a gene perturbation (genes live in [0, 1]).")
     elitism: int = doc(1, "Best members carried to the next generation (paired with themselves).")
     tournament_size: int = doc(3, "Contestants per tournament in parent selection.")
-    selection: str = doc("tournament", "tournament or rank.")
-    mode: str = doc("pretrain", "pretrain (evolutionary pretraining on data.*) or evomerge (post-training: evolve "
-                                "merges of the fine-tunes in initial_population, mutate by SFT, fitness from "
-                                "evomerge.tasks; see docs/evomerge.md).")
-    crossover: str = doc("outer_sgd", "outer_sgd (pairwise outer step), linear or slerp (pretrain mode; evomerge "
-                                      "evolves its merge method in the DNA).")
+    selection: Literal["tournament", "rank"] = doc("tournament", "tournament or rank.")
+    mode: Literal["pretrain", "evomerge"] = doc(
+        "pretrain", "pretrain (evolutionary pretraining on data.*) or evomerge (post-training: evolve "
+        "merges of the fine-tunes in initial_population, mutate by SFT, fitness from "
+        "evomerge.tasks; see docs/evomerge.md).")
+    crossover: Literal["outer_sgd", "linear", "slerp"] = doc(
+        "outer_sgd", "outer_sgd (pairwise outer step), linear or slerp (pretrain mode; evomerge "
+        "evolves its merge method in the DNA).")
     mutation_steps: int = doc(0, "Inner AdamW steps of one mutation (per member and generation); 0 = "
                                  "outer.local_steps.")
     fitness: str = doc("inverse_loss", "Fitness of a member from its eval loss: inverse_loss (1/loss, the "
@@ -66,9 +69,9 @@ class EDTConfig:
         check_range(self, p, "keep_generations", 2)
         check_range(self, p, "job_lease_s", 0.0, lo_open=True)
         check_range(self, p, "max_attempts", 1)
-        check_choice(self, p, "selection", ("tournament", "rank"))
-        check_choice(self, p, "crossover", ("outer_sgd", "linear", "slerp"))
-        check_choice(self, p, "mode", ("pretrain", "evomerge"))
+        check_choice(self, p, "selection")
+        check_choice(self, p, "crossover")
+        check_choice(self, p, "mode")
         if self.fitness not in ("inverse_loss", "neg_loss", "tasks", "lm_eval") and not (
                 self.fitness.count(":") == 1 and all(self.fitness.split(":"))):
             raise bad_value(p + "fitness", self.fitness,
@@ -152,8 +155,9 @@ class EvoMergeConfig:
     weight: list = doc([0.2, 0.8], "Range of the `weight` gene: the first parent's weight w (the second's 1 - w) "
                                    "in linear / task-vector merges.")
     density: list = doc([0.3, 1.0], "Range of the `density` gene: fraction of each task vector kept by ties / dare.")
-    consensus_method: str = doc("sum", "Sign election of ties / dare_ties (mergekit's consensus_method): sum = the "
-                                       "sign of the weighted sum (TIES), count = the majority of the models' signs.")
+    consensus_method: Literal["sum", "count"] = doc(
+        "sum", "Sign election of ties / dare_ties (mergekit's consensus_method): sum = the "
+        "sign of the weighted sum (TIES), count = the majority of the models' signs.")
     scale: list = doc([0.5, 1.5], "Range of the `scale` gene: lambda, the factor on the merged task vector.")
     datasets: dict = doc({}, "SFT data of the mutation: {name: source}, a source being task:addition / "
                              "task:reverse / task:sort, a .jsonl/.json file of chat `messages` or prompt/answer rows, "
@@ -191,7 +195,7 @@ class EvoMergeConfig:
         if self.density[0] <= 0:
             raise bad_value(p + "density", self.density, "low must be > 0 (density 0 keeps nothing)")
         check_span(self, p, "scale", 0.0, 10.0)
-        check_choice(self, p, "consensus_method", ("sum", "count"))
+        check_choice(self, p, "consensus_method")
         for name, src in self.datasets.items():
             if not name.replace("_", "a").replace("-", "a").isalnum() or not isinstance(src, str) or not src:
                 raise bad_value(f"{p}datasets.{name}", src,

@@ -22,6 +22,16 @@ def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def literal_choices(typ: Any) -> tuple[str, ...]:
+    """The values of a `Literal[...]` annotation (also inside `Optional`), () for any other type."""
+    if typing.get_origin(typ) is typing.Literal:
+        return typing.get_args(typ)
+    for arg in typing.get_args(typ):
+        if typing.get_origin(arg) is typing.Literal:
+            return typing.get_args(arg)
+    return ()
+
+
 class FieldError(ConfigError):
     """A bad value of one field: `<key> = <value>: <what is allowed>`.
 
@@ -47,7 +57,10 @@ def check_range(obj: Any, prefix: str, name: str, lo: float | None = None, hi: f
         raise bad_value(f"{prefix}{name}", v, f"must be <= {hi}")
 
 
-def check_choice(obj: Any, prefix: str, name: str, choices: tuple[str, ...]) -> None:
+def check_choice(obj: Any, prefix: str, name: str, choices: tuple[str, ...] | None = None) -> None:
+    """`name` is one of `choices`, by default the values of its `Literal[...]` annotation."""
+    if choices is None:
+        choices = literal_choices(field_types(type(obj))[name])
     v = getattr(obj, name)
     if v not in choices:
         raise bad_value(f"{prefix}{name}", v, f"must be one of {', '.join(choices)}")

@@ -64,6 +64,10 @@ def coerce_value(name: str, value: Any, typ: Any) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return coerce_value(name, value, inner[0])
+    if origin is typing.Literal:
+        if value in typing.get_args(typ) and isinstance(value, str):
+            return value
+        raise bad_value(name, value, f"must be one of {', '.join(typing.get_args(typ))}")
     if typ is bool:
         if isinstance(value, bool):
             return value

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+from typing import Literal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,13 +93,14 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    metrics: str = doc("jsonl", "Metric logger: jsonl (BASE_DIR/<project>/metrics.jsonl), dummy, wandb or "
-                                "tensorboard (the last two only when installed).")
+    metrics: Literal["jsonl", "dummy", "wandb", "tensorboard"] = doc(
+        "jsonl", "Metric logger: jsonl (BASE_DIR/<project>/metrics.jsonl), dummy, wandb or "
+        "tensorboard (the last two only when installed).")
     progress: bool = doc(True, "Progress bars on the terminal.")
     plot: bool = doc(True, "Write loss.png into the run folder at the end.")
 
     def validate(self, p: str) -> None:
-        check_choice(self, p, "metrics", ("jsonl", "dummy", "wandb", "tensorboard"))
+        check_choice(self, p, "metrics")
 
 
 @dataclass(kw_only=True)

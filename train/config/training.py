@@ -3,7 +3,7 @@ the outer step, the exchange over BASE_DIR, elastic membership). Part of RunConf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from train.config.fields import bad_value, check_choice, check_range, doc
 
@@ -21,11 +21,12 @@ class InnerConfig:
     beta2: float = doc(0.95, "AdamW beta2.")
     eps: float = doc(1e-8, "AdamW epsilon.")
     weight_decay: float = doc(0.1, "AdamW decoupled weight decay λ (each step θ ← θ − lr_t·λ·θ); also Muon's.")
-    weight_decay_mode: str = doc("fixed", "fixed (`weight_decay` as given) or inverse_steps (Charles et al. 2025: "
-                                          "independent weight decay 1/T, i.e. λ = 1 / (T·lr) with T = the schedule's "
-                                          "total inner steps, so each step at the peak lr decays by 1/T; "
-                                          "`weight_decay` is then unused). EvoMerge's SFT mutation always uses "
-                                          "`weight_decay`.")
+    weight_decay_mode: Literal["fixed", "inverse_steps"] = doc(
+        "fixed", "fixed (`weight_decay` as given) or inverse_steps (Charles et al. 2025: "
+        "independent weight decay 1/T, i.e. λ = 1 / (T·lr) with T = the schedule's "
+        "total inner steps, so each step at the peak lr decays by 1/T; "
+        "`weight_decay` is then unused). EvoMerge's SFT mutation always uses "
+        "`weight_decay`.")
     warmup_steps: int = doc(20, "Linear warmup steps of the inner schedule.")
     total_steps: int = doc(0, "Length of the cosine schedule in inner steps; 0 = rounds x local_steps (the sum of "
                               "the rounds' H with outer.local_steps_schedule).")
@@ -45,8 +46,9 @@ class InnerConfig:
     log_every: int = doc(10, "Read the training loss back from the device every this many steps (for the "
                              "heartbeat); no step waits for the device in between. Round statistics are exact "
                              "whatever the value.")
-    optimizer: str = doc("adamw", "adamw, or muon (torch.optim.Muon for the 2-D weight matrices of the hidden "
-                                  "layers; embeddings, output head, norms and biases stay on AdamW, as in MuLoCo).")
+    optimizer: Literal["adamw", "muon"] = doc(
+        "adamw", "adamw, or muon (torch.optim.Muon for the 2-D weight matrices of the hidden "
+        "layers; embeddings, output head, norms and biases stay on AdamW, as in MuLoCo).")
     muon_lr: float = doc(0.02, "Peak Muon learning rate (same warmup + cosine as `lr`; Keller Jordan's scaling "
                                "by sqrt(max(1, rows/cols))).")
     muon_momentum: float = doc(0.95, "Muon momentum (Nesterov).")
@@ -56,15 +58,16 @@ class InnerConfig:
     threads: int = doc(0, "torch CPU threads per worker process; 0 = let torch decide.")
     nproc_per_node: int = doc(1, "Processes per worker: > 1 starts each worker as a torchrun group (one process per "
                                  "GPU; gloo on CPU) that splits total_batch_size over its processes.")
-    parallel: str = doc("ddp", "How a multi-process worker holds the model: ddp (a copy per process) or fsdp (FSDP2 "
-                               "fully_shard: parameters, gradients and AdamW state sharded over the processes).")
+    parallel: Literal["ddp", "fsdp"] = doc(
+        "ddp", "How a multi-process worker holds the model: ddp (a copy per process) or fsdp (FSDP2 "
+        "fully_shard: parameters, gradients and AdamW state sharded over the processes).")
 
     def validate(self, p: str) -> None:
         check_range(self, p, "lr", 0.0, lo_open=True)
         for b in ("beta1", "beta2"):
             check_range(self, p, b, 0.0, 1.0)
         check_range(self, p, "weight_decay", 0.0)
-        check_choice(self, p, "weight_decay_mode", ("fixed", "inverse_steps"))
+        check_choice(self, p, "weight_decay_mode")
         check_range(self, p, "warmup_steps", 0)
         check_range(self, p, "total_steps", 0)
         check_range(self, p, "min_lr_ratio", 0.0, 1.0)
@@ -73,7 +76,7 @@ class InnerConfig:
         check_range(self, p, "grad_clip", 0.0)
         check_range(self, p, "threads", 0)
         check_range(self, p, "nproc_per_node", 1)
-        check_choice(self, p, "parallel", ("ddp", "fsdp"))
+        check_choice(self, p, "parallel")
         if self.total_batch_size % self.per_device_batch_size:
             raise bad_value(p + "total_batch_size", self.total_batch_size,
                             f"must be a multiple of {p}per_device_batch_size ({self.per_device_batch_size})")
@@ -93,7 +96,7 @@ class InnerConfig:
             raise bad_value(p + "loss_chunk", lc, "must be a number of tokens >= 0 (0 = the loss in one piece) or "
                                                   "\"auto\"")
         check_range(self, p, "log_every", 1)
-        check_choice(self, p, "optimizer", ("adamw", "muon"))
+        check_choice(self, p, "optimizer")
         check_range(self, p, "muon_lr", 0.0, lo_open=True)
         check_range(self, p, "muon_momentum", 0.0, 1.0)
         if self.optimizer == "muon" and self.nproc_per_node > 1 and self.parallel == "fsdp":
@@ -159,21 +162,24 @@ class OuterConfig:
     screen_min_cosine: float = doc(-0.5, "The screen's direction bound: a delta whose cosine with the mean of the "
                                          "round's other deltas is below this is rejected (healthy rounds measure "
                                          "about -0.1 to 0.9: docs/protocol.md).")
-    delta_dtype: str = doc("float32", "dtype of published pseudo-gradients: float32, bfloat16 or float16.")
+    delta_dtype: Literal["float32", "bfloat16", "float16"] = doc(
+        "float32", "dtype of published pseudo-gradients: float32, bfloat16 or float16.")
     keep_rounds: int = doc(2, "Committed rounds kept on disk (older global models and deltas are deleted).")
     token_weighted: bool = doc(True, "Weight each delta by its tokens (equal weights when off).")
-    compression: str = doc("none", "Codec of the exchange, both ways (docs/compression.md): none (fp32 deltas in "
-                                   "`delta_dtype`, the full global model every round), int8 or int4 (block-wise "
-                                   "absmax), bfloat16 or float16; with a codec, workers send encoded deltas with "
-                                   "error feedback and the coordinator publishes the encoded update θ_{r+1} − θ_r "
-                                   "(with its own error feedback) that every copy of θ applies; topk: each "
-                                   "worker sends its top `density` of (Δ + β·residual) per chunk at 2 bits "
-                                   "(SparseLoCo) and every copy of θ sums the sparse deltas itself.")
-    overlap: str = doc("none", "none (a worker waits for θ_{r+1} after publishing), delayed or eager (it goes on "
-                               "training at once and folds θ_{r+1} in one round late; the next segment starts from "
-                               "θ_r + its own progress since its delta (delayed), or θ_r + that progress at the "
-                               "weight the outer step gives one worker, η (1 + μ) / M (eager, Kale et al. 2025); "
-                               "docs/overlap.md). Not with torchrun workers.")
+    compression: Literal["none", "int8", "int4", "bfloat16", "float16", "topk"] = doc(
+        "none", "Codec of the exchange, both ways (docs/compression.md): none (fp32 deltas in "
+        "`delta_dtype`, the full global model every round), int8 or int4 (block-wise "
+        "absmax), bfloat16 or float16; with a codec, workers send encoded deltas with "
+        "error feedback and the coordinator publishes the encoded update θ_{r+1} − θ_r "
+        "(with its own error feedback) that every copy of θ applies; topk: each "
+        "worker sends its top `density` of (Δ + β·residual) per chunk at 2 bits "
+        "(SparseLoCo) and every copy of θ sums the sparse deltas itself.")
+    overlap: Literal["none", "delayed", "eager"] = doc(
+        "none", "none (a worker waits for θ_{r+1} after publishing), delayed or eager (it goes on "
+        "training at once and folds θ_{r+1} in one round late; the next segment starts from "
+        "θ_r + its own progress since its delta (delayed), or θ_r + that progress at the "
+        "weight the outer step gives one worker, η (1 + μ) / M (eager, Kale et al. 2025); "
+        "docs/overlap.md). Not with torchrun workers.")
     overlap_steps: int = doc(0, "With overlap: when a segment folds the new global model in (docs/overlap.md): "
                                 "0 = adaptive, at the first step boundary after θ_{r+1} is committed and read (never "
                                 "waits; runs are not bit-reproducible run to run, a restart still replays exactly); "
@@ -186,7 +192,8 @@ class OuterConfig:
                                    "(SparseLoCo's 64 of 4096 = 1.56%).")
     chunk_size: int = doc(4096, "topk: values per chunk; each chunk sends its own top k = density x chunk_size, "
                                 "offsets in ceil(log2 chunk_size) bits, one scale per chunk.")
-    sparse_values: str = doc("2bit", "topk: codec of the sent values: 2bit (levels ±s, ±3s), int4 or int8.")
+    sparse_values: Literal["2bit", "int4", "int8"] = doc(
+        "2bit", "topk: codec of the sent values: 2bit (levels ±s, ±3s), int4 or int8.")
     ef_decay: float = doc(0.95, "topk: β, the decay of each worker's error feedback (e <- β e + Δ before the top-k; "
                                 "it replaces the outer momentum, which topk does not use).")
     checkpoint_every: int = doc(20, "With compression: an fp32 global model directory (HF-loadable) and the outer "
@@ -197,9 +204,10 @@ class OuterConfig:
                              "exactly); a host-local path (`~` and {worker} allowed) keeps it off the shared disk (a "
                              "restart on the same host resumes exactly; on another host it resumes with fresh "
                              "moments and no residual, and logs that).")
-    lr_schedule: str = doc("constant", "Outer learning rate over the rounds (train/exchange/outer.py outer_lr_at): "
-                                       "constant (`lr` every round) or warmup (linear from lr / W to lr over the "
-                                       "first W = `lr_warmup_rounds` rounds, then `lr`).")
+    lr_schedule: Literal["constant", "warmup"] = doc(
+        "constant", "Outer learning rate over the rounds (train/exchange/outer.py outer_lr_at): "
+        "constant (`lr` every round) or warmup (linear from lr / W to lr over the "
+        "first W = `lr_warmup_rounds` rounds, then `lr`).")
     lr_warmup_rounds: int = doc(0, "W: rounds of outer-lr warmup when lr_schedule = warmup.")
     late_weight: float = doc(0.5, "A delta of round r that arrives after round r closed (a straggler past its "
                                   "deadline): 0 = dropped; w > 0 = folded into round r + 1 with w x its tokens as "
@@ -223,7 +231,7 @@ class OuterConfig:
                                                                "(from_round >= 0, H >= 1), e.g. [[0, 10], [10, 30]]")
         if any(b[0] <= a[0] for a, b in zip(sched, sched[1:])):
             raise bad_value(p + "local_steps_schedule", sched, "from_round must increase from entry to entry")
-        check_choice(self, p, "lr_schedule", ("constant", "warmup"))
+        check_choice(self, p, "lr_schedule")
         check_range(self, p, "lr_warmup_rounds", 0)
         if self.lr_schedule == "warmup" and self.lr_warmup_rounds < 1:
             raise bad_value(p + "lr_warmup_rounds", self.lr_warmup_rounds,
@@ -245,13 +253,13 @@ class OuterConfig:
         check_range(self, p, "screen_norm_ratio", 1.0, lo_open=True)
         check_range(self, p, "screen_min_cosine", -1.0, 1.0)
         check_range(self, p, "keep_rounds", 1)
-        check_choice(self, p, "delta_dtype", ("float32", "bfloat16", "float16"))
-        check_choice(self, p, "compression", ("none", "int8", "int4", "bfloat16", "float16", "topk"))
+        check_choice(self, p, "delta_dtype")
+        check_choice(self, p, "compression")
         check_range(self, p, "density", 0.0, 1.0, lo_open=True)
         check_range(self, p, "chunk_size", 2, 1 << 20)
-        check_choice(self, p, "sparse_values", ("2bit", "int4", "int8"))
+        check_choice(self, p, "sparse_values")
         check_range(self, p, "ef_decay", 0.0, 1.0)
-        check_choice(self, p, "overlap", ("none", "delayed", "eager"))
+        check_choice(self, p, "overlap")
         check_range(self, p, "overlap_steps", 0)
         check_range(self, p, "block_size", 8, 1 << 20)
         check_range(self, p, "checkpoint_every", 1)
