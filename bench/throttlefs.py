@@ -57,6 +57,12 @@ mtime changes (looked at most every 0.2 s): `{"error_rate": P}` replaces --error
 makes every call block until the file says otherwise (a hard mount whose server is away: the callers sit in the
 kernel, uninterruptible, as on NFS), `{"enospc": true}` fails every create, write, mkdir and rename with ENOSPC.
 
+Counting (`--count-file FILE`, bench/scale.py): every call the kernel sends is counted by operation name, and each
+listing's names and the kernel's READDIR requests it takes (one per 4 KB of FUSE dirents: 24 bytes + the name,
+8-aligned, as the kernel asks for them, and as an NFS client reads a big folder in several READDIR RPCs). The counts
+go to FILE as JSON ({"ops": {op: n}, "readdir_names": n, "readdir_pages": n, "time": ...}, atomically: temp +
+rename) every 0.2 s while they change and when the mount ends. Without it nothing is counted.
+
 Needs /dev/fuse, libfuse2 and `pip install fusepy` (root, or fusermount for a user); bench and tests only, nothing in
 train/ uses it.
 """
@@ -173,7 +179,55 @@ class Control:
             raise FuseOSError(errno.ENOSPC)
 
 
-def make_ops(root: str, bucket: Bucket, faults: Faults | None = None, control: Control | None = None):
+class Counts:
+    """Per-operation call counts of one mount, written to a JSON file (`--count-file`, module docstring)."""
+
+    PAGE = 4096  # the kernel reads a FUSE directory in page-sized READDIR requests
+
+    def __init__(self, path: str, every: float = 0.2):
+        self.path, self.every = path, every
+        self.ops: dict[str, int] = {}
+        self.names = self.pages = 0
+        self.lock = threading.Lock()
+        self.changed = True
+        self.written = threading.Event()
+        threading.Thread(target=self._loop, name="counts", daemon=True).start()
+
+    def op(self, op: str) -> None:
+        with self.lock:
+            self.ops[op] = self.ops.get(op, 0) + 1
+            self.changed = True
+
+    def listing(self, names: list[str]) -> None:
+        size = sum((24 + len(n.encode("utf-8", "surrogateescape")) + 7) // 8 * 8 for n in names)
+        with self.lock:
+            self.names += len(names)
+            self.pages += max(1, -(-size // self.PAGE))
+
+    def write(self) -> None:
+        import json
+        with self.lock:
+            if not self.changed:
+                return
+            rec = {"ops": dict(self.ops), "readdir_names": self.names, "readdir_pages": self.pages,
+                   "time": time.time()}
+            self.changed = False
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, self.path)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.every)
+            try:
+                self.write()
+            except OSError:
+                pass
+
+
+def make_ops(root: str, bucket: Bucket, faults: Faults | None = None, control: Control | None = None,
+             counts: Counts | None = None):
     from fuse import FuseOSError, Operations
 
     class Passthrough(Operations):
@@ -183,6 +237,8 @@ def make_ops(root: str, bucket: Bucket, faults: Faults | None = None, control: C
             return os.path.join(root, path.lstrip("/"))
 
         def __call__(self, op, *args):
+            if counts is not None:
+                counts.op(op)
             if control is not None:
                 control.before(op)
             if faults is not None and args:
@@ -206,7 +262,15 @@ def make_ops(root: str, bucket: Bucket, faults: Faults | None = None, control: C
             return out
 
         def readdir(self, path, fh):
-            return [".", ".."] + os.listdir(self._p(path))
+            names = [".", ".."] + os.listdir(self._p(path))
+            if counts is not None:
+                counts.listing(names)
+            return names
+
+        def destroy(self, path):
+            if counts is not None:
+                counts.changed = True
+                counts.write()
 
         def statfs(self, path):
             sv = os.statvfs(self._p(path))
@@ -294,6 +358,8 @@ def main() -> None:
     ap.add_argument("--error-log", metavar="FILE", help="append `op<TAB>path` for every injected error")
     ap.add_argument("--control", metavar="FILE",
                     help="a JSON file of faults switched while it runs: error_rate, hang, enospc (bench/soak.py)")
+    ap.add_argument("--count-file", metavar="FILE",
+                    help="write per-operation call counts to FILE (JSON) every 0.2 s and at unmount (bench/scale.py)")
     args = ap.parse_args()
     for name in ("mbps", "entry_ttl", "negative_ttl", "lookup_ttl", "attr_ttl"):
         v = getattr(args, name)
@@ -323,7 +389,9 @@ def main() -> None:
     faults = (Faults(args.error_rate, args.error_ops, args.seed, args.error_log)
               if args.error_rate > 0 or args.control else None)
     control = Control(args.control, faults) if args.control else None
-    NFSFuse(make_ops(os.path.abspath(args.backing), Bucket(args.mbps * 1e6), faults, control), args.mountpoint,
+    counts = Counts(os.path.abspath(args.count_file)) if args.count_file else None
+    NFSFuse(make_ops(os.path.abspath(args.backing), Bucket(args.mbps * 1e6), faults, control, counts),
+            args.mountpoint,
             foreground=True, nothreads=False, big_writes=True, max_read=1 << 20, max_write=1 << 20,
             entry_timeout=entry, negative_timeout=negative, attr_timeout=args.attr_ttl)
 

@@ -106,13 +106,15 @@ def fuse_skip_reason() -> str | None:
 @contextlib.contextmanager
 def nfs_mount(backing: Path, mountpoint: Path, lookup_ttl: float = 0, error_rate: float = 0.0, seed: int = 0,
               error_log: Path | None = None, mbps: float = 0, *, attr_ttl: float = 0,
-              error_ops: tuple[str, ...] | None = None, timeout: float = 15, control: Path | None = None):
+              error_ops: tuple[str, ...] | None = None, timeout: float = 15, control: Path | None = None,
+              count_file: Path | None = None):
     """Mount `backing` at `mountpoint` through bench/throttlefs.py (one NFS client) and yield `mountpoint` (a Path).
 
     lookup_ttl: seconds the kernel caches names found and names not found (entry + negative timeout).
     error_rate, seed, error_log, error_ops: EIO injection (default ops read, write, fsync), one line `op<TAB>path`
     per injected error appended to error_log. mbps: bandwidth cap in MB/s, 0 = none. attr_ttl: attribute cache.
     control: a JSON file of faults switched while the mount runs (error_rate, hang, enospc: bench/throttlefs.py).
+    count_file: the mount writes its per-operation call counts there (JSON, bench/throttlefs.py --count-file).
     The mountpoint is created if missing. Raises RuntimeError with the process's stderr when the mount does not come
     up within `timeout` seconds. On exit: unmount (fusermount -u, fusermount3 -u, umount; lazily if busy), then stop
     the process (SIGTERM, then SIGKILL)."""
@@ -132,6 +134,8 @@ def nfs_mount(backing: Path, mountpoint: Path, lookup_ttl: float = 0, error_rate
             cmd += ["--error-log", str(error_log)]
     if control is not None:
         cmd += ["--control", str(control)]
+    if count_file is not None:
+        cmd += ["--count-file", str(count_file)]
     # stderr to a file, not a pipe: nobody reads it while the mount runs, and a full pipe would hang the filesystem
     errf = tempfile.TemporaryFile(prefix="edt-throttlefs-")
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=errf, stderr=subprocess.STDOUT,
