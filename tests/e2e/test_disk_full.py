@@ -58,4 +58,5 @@ def test_a_full_base_dir_mid_run_is_waited_out_without_restarts(tmp_path):
         assert paths.latest_committed() == R
         recs = read_jsonl(paths.metrics)
         assert [r["round"] for r in recs] == list(range(R + 1))
+        assert all(not r.get("rejected") and len(r.get("screen") or {}) in (0, 3) for r in recs), recs  # healthy
         verify_manifest(paths.final)
