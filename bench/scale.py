@@ -182,7 +182,8 @@ def fake_workers(argv: list[str]) -> int:
             hb.stop("exited")
             lock.release()
         except BaseException as e:  # noqa: BLE001 (reported by the bench)
-            failures.append(f"worker {w}: {type(e).__name__}: {e}")
+            import traceback
+            failures.append(f"worker {w}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
             hb.stop("exited", error=str(e)[:200])
 
     threads = [threading.Thread(target=one, args=(w,), daemon=True, name=f"w{w}") for w in range(N)]
@@ -191,6 +192,8 @@ def fake_workers(argv: list[str]) -> int:
     for t in threads:
         t.join()
     Path(a.log).write_text(json.dumps({"events": events, "failures": failures}))
+    for f in failures:
+        print(f, file=sys.stderr)
     return 1 if failures else 0
 
 
