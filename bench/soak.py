@@ -34,7 +34,9 @@ Invariants, checked live (every committed round as it appears, from the backing 
     - every rejected or missing delta has a reason in metrics; every bad delta is kept out of the average;
     - no traceback in any log;
     - RSS of the coordinator and of each worker grows at most 10% from round 100 (--quick: a quarter of the rounds)
-      to the end, open file descriptors flat, BASE_DIR's size bounded;
+      to the end, open file descriptors flat, BASE_DIR's size bounded (measured on the process alive at the end,
+      from the reference round or 20 rounds after it started: worker 0 is never killed, and the coordinator is
+      killed or moved only in the first half of the rounds, so both are measured over the run's second half);
     - the final model loads with transformers.
 
 Writes DIR/soak.md (the faults: when, what, what the system did; the invariants; RSS, fd and disk curves in
@@ -300,10 +302,14 @@ class Soak:
         f = Fault(self.now(), kind, "", round_at_start=r)
         enough = len(self.workers(live_only=False)) > self.a.workers // 2 + 1  # room to lose one more
         if kind in ("kill_worker", "kill_supervisor", "stop_worker", "eio_burst", "hang_mount", "bad_delta", "leave"):
+            if kind in ("kill_worker", "kill_supervisor", "leave"):  # worker 0 lives the whole run (its RSS and fds
+                live = [x for x in live if x.name != "worker-0"]     # are the leak check's)
             if not live or (kind in ("stop_worker", "hang_mount", "leave") and not enough):
                 return None
             role = self.rng.choice(live)
             f.target = role.name
+        if kind in ("kill_coordinator", "move_coordinator") and r >= self.a.rounds // 2:
+            return None  # the coordinator's second half is its leak check
         if kind == "kill_worker":
             pid = role.child()
             if pid is None:
@@ -600,16 +606,17 @@ class Soak:
         roles = sorted({k for s in self.samples for k in s if k not in ("t", "round", "disk_mb")})
         for name in roles:
             pts = [(s["round"], *s[name]) for s in self.samples if name in s]
-            # the longest-lived incarnation (one pid) that spans the reference round
+            # the incarnation (one pid) alive at the end, from the reference round or 20 rounds after its start
             by_pid: dict[int, list] = {}
             for rr, rss, fds, pid in pts:
                 by_pid.setdefault(pid, []).append((rr, rss, fds))
-            spans = [v for v in by_pid.values() if v[0][0] <= ref_round and v[-1][0] > ref_round]
-            if not spans:
-                lines.append(f"| {name} | - | - | - | no process lived from round {ref_round} on |")
+            life = by_pid[pts[-1][3]]
+            start = max(ref_round, life[0][0] + 20)
+            if life[-1][0] - start < 20:
+                lines.append(f"| {name} | - | - | rounds {life[0][0]}-{life[-1][0]} | its last process lived too "
+                             f"few rounds after round {start} to judge |")
                 continue
-            life = max(spans, key=len)
-            ref = next(p for p in life if p[0] >= ref_round)
+            ref = next(p for p in life if p[0] >= start)
             last = life[-1]
             growth = last[1] / ref[1] - 1
             fd_growth = last[2] - ref[2]
