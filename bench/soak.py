@@ -32,6 +32,7 @@ Invariants, checked live (every committed round as it appears, from the backing 
       the checker saw them are counted, not failed);
     - no data window read twice (the metrics rows' data slices);
     - every rejected or missing delta has a reason in metrics; every bad delta is kept out of the average;
+    - a frozen worker (SIGSTOP) or one whose mount hung catches up by itself, without a restart;
     - no traceback in any log;
     - RSS of the coordinator and of each worker grows at most 10% from round 100 (--quick: a quarter of the rounds)
       to the end, open file descriptors flat, BASE_DIR's size bounded (measured on the process alive at the end,
@@ -553,6 +554,8 @@ class Soak:
             violations.append(final_ok)
         for f in self.faults:
             self.observe(f, rows)
+            if (why := self.caught_up(f)):
+                violations.append(why)
         timeline = self.run / "timeline.png"
         if timeline.exists():
             shutil.copy(timeline, self.out / "timeline.png")
@@ -599,6 +602,29 @@ class Soak:
                         if word in line and line[:19] >= after]  # the log's lines start with the wall time
                 if hits:
                     f.observed.append(f"log: {hits[0][20:][-170:]}")
+
+    def caught_up(self, f: Fault) -> str | None:
+        """A frozen worker or one whose mount hung goes on by itself when it comes back: its next published delta
+        comes before any restart (unless another fault hit it meanwhile)."""
+        if f.kind not in ("stop_worker", "hang_mount") or f.until is None:
+            return None
+        log = self.out / "logs" / f"{f.target}.log"
+        start = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.wall))
+        back = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.wall + f.until - f.t))
+        for line in log.read_text(errors="replace").splitlines():
+            if line[:19] < start:
+                continue
+            if line[:19] < back and "restart" not in line:
+                continue  # (a restart while it was frozen counts; what it wrote before the fault took hold not)
+            if "published delta" in line or "the run is complete" in line:
+                f.observed.append(f"caught up without a restart: {line[20:][:90]}")
+                return None
+            if "restart" in line and ("supervise" in line or "simulator" in line):
+                later = [g for g in self.faults if g is not f and g.target == f.target and g.t > f.t]
+                if later and later[0].wall <= time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + 1:
+                    return None  # another fault killed it first
+                return f"{f.target}: restarted after {f.kind} instead of catching up ({line[20:][:120]})"
+        return f"{f.target}: never published again after {f.kind}"
 
     def resources(self) -> tuple[list[str], list[str]]:
         lines, bad = [], []
