@@ -200,3 +200,11 @@ def test_a_process_the_shared_disk_failed_is_restarted_by_its_supervisor(tmp_pat
                           "--", sys.executable, "-c", user_error], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "restart" not in out.stderr, out.stderr
+
+
+def test_is_file_of_a_file_removed_after_the_listing_is_false(tmp_path, monkeypatch):
+    """A worker looking for the latest commit lists rounds/ and a round's folder, then stats its COMMITTED marker: the
+    coordinator may prune that round in between (bench/scale.py hit it with 256 workers). Not a file, not an error."""
+    f = tmp_path / "COMMITTED"
+    monkeypatch.setattr(sharedfs, "exists", lambda path: True)  # the listing showed the name; then it went away
+    assert sharedfs.is_file(f) is False

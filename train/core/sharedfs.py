@@ -261,10 +261,17 @@ def exists(path: str | os.PathLike) -> bool:
 
 
 def is_file(path: str | os.PathLike) -> bool:
-    """`exists(path)` and a regular file (the stat comes after a listing showed the name)."""
+    """`exists(path)` and a regular file (the stat comes after a listing showed the name). A file removed between
+    the listing and the stat (a round pruned by the coordinator while a worker looks for the latest commit) is not
+    a file: False, not FileNotFoundError."""
     import stat as stat_
 
-    return exists(path) and stat_.S_ISREG(stat(path).st_mode)
+    if not exists(path):
+        return False
+    try:
+        return stat_.S_ISREG(stat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def remember_dir(folder: str | os.PathLike) -> None:

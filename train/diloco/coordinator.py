@@ -50,6 +50,8 @@ from train.diloco.store import DiLoCoPaths
 
 log = logging.getLogger("coordinator")
 
+LEASES_EVERY_S = 0.5  # how often the wait loop reads the workers' leases (they beat every 1 s: heartbeat.py)
+
 
 def run_identity(cfg: RunConfig) -> dict:
     """What may not change when a run is resumed (rounds, timeouts, lrs may; so may the number of workers: the data
@@ -253,6 +255,7 @@ class Coordinator:
         bar = tqdm(total=N * H, desc=f"round {r + 1}/{oc.rounds} inner steps", unit="step", leave=False,
                    disable=not self.progress, dynamic_ncols=True)
         warned, shown = False, -1
+        d, t_leases = None, 0.0
         while True:
             self.monitor()
             got = self.arrived(r)
@@ -273,7 +276,11 @@ class Coordinator:
             if set(range(N)) <= set(got):
                 why = {}
                 break
-            d = self.membership.poll(set(got), {w: m.get("lease") for w, m in acc.metas.items()})
+            # the leases are rewritten once a second: read them every half second, not at every listing of the
+            # deltas (N reads per poll made each poll, and so the notice of the last arrival, grow with N)
+            if d is None or time.monotonic() - t_leases >= LEASES_EVERY_S:
+                t_leases = time.monotonic()
+                d = self.membership.poll(set(got), {w: m.get("lease") for w, m in acc.metas.items()})
             if d.close:
                 why = d.missing
                 log.warning("round %d: %s; going on with %d/%d deltas, missing workers %s (%s)", r, d.why,
@@ -352,11 +359,14 @@ class Coordinator:
         return self._late
 
     def _worker_step(self, w: int, r: int) -> int:
+        """Worker w's inner step in round r, for the progress bar: from its lease as membership last read it (no
+        read of its own: one per worker per poll grew each poll with N)."""
+        ls = self.membership.leases.get(w)
+        p = (ls.record if ls is not None else None) or {}
         try:
-            p = read_json(self.paths.progress(w))
-        except (OSError, ValueError):
+            return int(p.get("step", 0)) if p.get("round") == r and p.get("status") == "training" else 0
+        except (TypeError, ValueError):
             return 0
-        return int(p.get("step", 0)) if p.get("round") == r and p.get("status") == "training" else 0
 
     # -- one round ------------------------------------------------------------------------------------------------
     def run_round(self, r: int) -> dict:

@@ -106,6 +106,7 @@ class Membership:
         self._round_t0: float | None = None
         self._quorum_s: float | None = None
         self._elapsed = 0.0
+        self._seen: set[int] = set()  # workers whose lease file this object has read (see _read)
         self.leases = {w: _Lease(changed=self.t0) for w in range(num_workers)}
         for w in range(num_workers):  # the baseline: what earlier processes left behind
             rec = self._read(w)
@@ -114,12 +115,25 @@ class Membership:
         self._joining: dict[int, _Lease] = {}
 
     # -- leases -----------------------------------------------------------------------------------------------------
-    def _read(self, w: int) -> dict | None:
-        try:  # a listing first: a joiner's lease appears late to a lookup (NFS lookup cache)
-            rec = read_json(self.paths.progress(w)) if sharedfs.exists(self.paths.progress(w)) else None
+    def _read(self, w: int, listed: set[str] | None = None) -> dict | None:
+        """Worker w's lease record (None: none yet, or unreadable). A lease not seen yet is asked of a listing
+        first (a joiner's lease appears late to a lookup: NFS lookup cache): `listed`, the names in workers/ when
+        the caller listed it, else a listing of the worker's folder. A lease once read is read directly from then
+        on (its file is only ever replaced atomically, never removed): one open per read, not a listing each."""
+        f = self.paths.progress(w)
+        try:
+            if w not in self._seen:
+                if listed is not None and self.paths.worker_dir(w).name not in listed:
+                    return None
+                if not sharedfs.exists(f):
+                    return None
+            rec = read_json(f)
         except (OSError, ValueError):
             return None
-        return rec if isinstance(rec, dict) else None
+        if isinstance(rec, dict):
+            self._seen.add(w)
+            return rec
+        return None
 
     def observe(self, now: float | None = None) -> float:
         """Read every lease once; a changed (lease, beat) is a sign of life at `now`."""
@@ -133,8 +147,15 @@ class Membership:
                 if ls.key is None or key[0] != ls.key[0]:
                     ls.born, ls.proven = now, False  # a new process of this worker (started, restarted)
                 ls.key, ls.changed, ls.current = key, now, True
+        self._observe_joiners(now)
+        return now
+
+    def _observe_joiners(self, now: float) -> None:
+        """The leases of ids join_from .. join_from + MAX_JOIN - 1 (workers asking to join): one listing of
+        workers/ for all of them (their folders usually do not exist), not one per id."""
+        listed = set(sharedfs.names(self.paths.worker_dir(self.join_from).parent))
         for w in range(self.join_from, self.join_from + MAX_JOIN):
-            rec = self._read(w)
+            rec = self._read(w, listed)
             if rec is None or rec.get("status") != "joining":
                 self._joining.pop(w, None)
                 continue
@@ -142,12 +163,13 @@ class Membership:
             if _key(rec) != ls.key:
                 ls.key, ls.changed, ls.current = _key(rec), now, True
             ls.record = rec
-        return now
 
     def joiners(self) -> list[int]:
         """Workers asking to join (lease status "joining", beating within dead_after_s), as the ids from
-        `join_from` on that are all present (a gap stops the list: ids are handed out in order)."""
-        now = self.observe()
+        `join_from` on that are all present (a gap stops the list: ids are handed out in order). Reads only the
+        joiners' leases (the coordinator asks at each commit: no read per running worker in a round's tail)."""
+        now = self.clock()
+        self._observe_joiners(now)
         out = []
         for w in range(self.join_from, self.join_from + MAX_JOIN):
             ls = self._joining.get(w)
