@@ -34,7 +34,7 @@ def setup_round(root: Path, n: int, small: bool, codec: str):
     from train.config import build_config
     from train.core.model import save_model_dir
     from train.core.store import atomic_write_json
-    from train.diloco.store import DiLoCoPaths
+    from train.exchange.store import DiLoCoPaths
     from train.exchange.codec import get_codec
     from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
     from train.exchange.theta import file_order

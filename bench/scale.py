@@ -98,7 +98,7 @@ def fake_workers(argv: list[str]) -> int:
     from train.core.coordinator_lease import CoordinatorWatch
     from train.core.heartbeat import Heartbeat
     from train.core.store import atomic_write_json, exclusive_lock, wait_for
-    from train.diloco.store import DiLoCoPaths
+    from train.exchange.store import DiLoCoPaths
     from train.exchange.layout import Layout
     from train.exchange.master import exchange_codecs
     from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta

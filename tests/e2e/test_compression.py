@@ -17,7 +17,7 @@ from tests.helpers import REPO, tiny_config
 from tests.helpers.proc import kill_and_await_restart, kill_sim_at_random_moments, run_script, script_cmd, wait_until
 from train.config import build_config
 from train.core.store import atomic_write_json, read_json, read_jsonl, verify_manifest
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import load_tensors
 from train.diloco.coordinator import Coordinator
 from train.core.errors import ProtocolError

@@ -14,7 +14,7 @@ from tests.helpers.proc import script_cmd
 from train.diloco.optimizer import DiLoCoOptimizer, load_global
 from train.exchange.outer import outer_step
 from train.core.store import ProtocolError, read_jsonl, verify_manifest
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import load_tensors
 
 

@@ -13,7 +13,7 @@ from tests.helpers import REPO, tiny_config
 from tests.helpers.proc import script_cmd, wait_until
 from tests.helpers.tmpfs import fill, free_bytes, small_fs
 from train.core.store import read_jsonl, verify_manifest
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 
 HOLD_S = 10.0  # how long the disk stays full (the fault itself, not a wait for the system)
 

@@ -14,7 +14,7 @@ from tests.helpers.proc import (held, kill_sim_at_random_moments, progress_of, r
 from train.config import build_config
 from train.diloco.coordinator import Coordinator
 from train.core.store import read_json, read_jsonl, verify_manifest
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import load_tensors, save_streaming
 
 pytestmark = pytest.mark.slow

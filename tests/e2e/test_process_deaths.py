@@ -17,7 +17,7 @@ from tests.helpers.proc import kill_and_await_restart, script_cmd, wait_until
 from train.core.coordinator_lease import CoordinatorLease, CoordinatorWatch, coordinator_lease_path
 from train.core.heartbeat import pid_alive
 from train.core.store import atomic_write_json, read_json, read_jsonl, verify_manifest
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 
 
 def _read(path) -> dict:

@@ -12,7 +12,7 @@ from train.diloco.coordinator import Coordinator
 from train.exchange.layout import Layout
 from train.exchange.outer import diloco_round
 from train.core.store import PROTOCOL_VERSION, atomic_write_json, read_json
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import load_tensors, save_streaming
 
 

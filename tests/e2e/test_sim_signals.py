@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.helpers.proc import script_cmd
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 
 
 def _alive(pid: int) -> bool:

@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import REPO
 from tests.helpers.proc import script_cmd, wait_until, progress_of
 from train.core.store import read_json
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.status.timeline import build_timeline
 
 

@@ -12,7 +12,7 @@ import sys
 from tests.helpers import REPO, tiny_config
 from train.config import load_config
 from train.core.store import atomic_write_json
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.launch.remote import MARK
 
 

@@ -13,7 +13,7 @@ from tests.helpers import tiny_config
 from tests.helpers.proc import run_script
 from train.core.data import ShardSampler, TokenData
 from train.core.dist import DistInfo, RankBatches, all_mean, broadcast_json, get_dist_info
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import load_tensors
 
 

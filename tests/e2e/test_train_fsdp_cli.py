@@ -13,7 +13,7 @@ import pytest
 from tests.helpers import REPO
 from train.launch import train_fsdp
 from train.core.store import read_jsonl
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 
 MODEL = str(REPO / "configs" / "micro-llama.json")
 

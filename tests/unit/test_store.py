@@ -8,7 +8,7 @@ import pytest
 from train.core.store import (MANIFEST, PROTOCOL_VERSION, ProtocolError, append_jsonl, atomic_write,
                               atomic_write_bytes, atomic_write_json, ensure_run_manifest, exclusive_lock, read_json,
                               read_jsonl, sha256_file, verify_manifest, write_manifest)
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 
 
 # -- atomic writes ---------------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def test_core_holds_no_configuration_and_no_strategy_modules():
     assert not [n for n in names if n.startswith("config")], names
     assert not {"outer", "evolution", "strategies"} & set(names), names
     common = (TRAIN / "core" / "store.py").read_text().split("class RunPaths", 1)[1].split("\n\n\n")[0]
-    assert "rounds = property" not in common and "def delta_file" not in common  # DiLoCo's: train/diloco/store.py
+    assert "rounds = property" not in common and "def delta_file" not in common  # DiLoCo's: train/exchange/store.py
 
 
 def test_no_import_circle():

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import REPO
 from train.core.store import append_jsonl, atomic_write_json
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.status.recorder import TimelineRecorder
 from train.status.timeline import JOURNAL, build_timeline, supervisor_events
 from train.status.view import gather, render

@@ -285,7 +285,7 @@ def prepare_run_dir(run_dir: str | os.PathLike, source: str = "the config") -> P
 
 class RunPaths:
     """The paths every run has under BASE_DIR/<project> (run.json, config.json, metrics, logs, data, workers/),
-    whatever its strategy. Each strategy's own layout extends it: DiLoCoPaths (train/diloco/store.py: rounds,
+    whatever its strategy. Each strategy's own layout extends it: DiLoCoPaths (train/exchange/store.py: rounds,
     deltas, the global model) and EDTPaths (train/edt/store.py: generations, jobs, members)."""
 
     def __init__(self, run_dir: str | os.PathLike):

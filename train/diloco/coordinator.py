@@ -46,7 +46,7 @@ from train.core.store import (
     read_jsonl,
     verify_manifest,
 )
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 
 log = logging.getLogger("coordinator")
 

@@ -58,7 +58,7 @@ from train.exchange.protocol import commit, delta_sidecar, publish_sidecar, roun
 from train.exchange.reduce import arrived, param_order, prune_rounds, validate_and_reduce
 from train.core.store import (NO_LOCK, PROTOCOL_VERSION, ProtocolError, append_jsonl, ensure_run_manifest,
                               exclusive_lock, publish_dir, read_json, read_jsonl, wait_for)
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import DTYPE_BY_NAME, StreamingWriter, iter_tensors
 
 log = logging.getLogger("diloco_optimizer")

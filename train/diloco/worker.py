@@ -64,7 +64,7 @@ from train.core.store import (
     read_json,
     wait_for,
 )
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 
 log = logging.getLogger("worker")
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from train.core import sharedfs
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import read_header
 from train.exchange.codec import Codec, CodecError
 from train.exchange.protocol import RejectedDelta

@@ -27,7 +27,7 @@ from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
 from train.exchange.outer import outer_lr_at, outer_step_tensor
 from train.core.store import publish_dir, read_json
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, iter_tensors
 from train.exchange.accumulate import Accumulator
 from train.exchange.codec import Codec, Residual

@@ -19,7 +19,7 @@ import torch
 from train.core import sharedfs
 from train.core.model import WEIGHTS
 from train.core.store import PROTOCOL_VERSION, atomic_write_json, read_json
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, read_header
 from train.exchange.codec import Codec, CodecError, Residual, get_codec
 

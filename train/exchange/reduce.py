@@ -23,7 +23,7 @@ from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
 from train.exchange.protocol import RejectedDelta, check_sidecar
 from train.core.store import atomic_publish_dir, new_tmp_dir, write_manifest
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import SequentialReader, StreamingWriter, read_header
 
 log = logging.getLogger("reduce")

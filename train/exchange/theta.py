@@ -25,7 +25,7 @@ from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
 from train.core.store import read_json
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import SequentialReader, read_header, tensor_bytes
 from train.exchange.codec import Codec, CodecError
 

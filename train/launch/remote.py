@@ -44,7 +44,7 @@ from train.core import sharedfs
 from train.core.errors import UserError
 from train.core.coordinator_lease import coordinator_lease_path
 from train.core.store import atomic_write_json, read_json, read_jsonl, sha256_file
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.launch.procs import supervised_argv
 
 MARK = "EDT-JSON "

@@ -30,7 +30,7 @@ from pathlib import Path
 from train.config import REPO_ROOT, ConfigError, load_config
 from train.core.errors import EnvironmentProblem, UserError
 from train.core.store import RunPaths, atomic_write_bytes, atomic_write_json, read_json, read_jsonl
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.config.strategies import strategy as get_strategy
 from train.launch.procs import supervised_argv, worker_argv
 

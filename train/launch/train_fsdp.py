@@ -275,7 +275,7 @@ def plan(argv: list[str], world: int = 1) -> tuple[argparse.Namespace, str, list
 def start_coordinator(path: str, ovs: list[str], cfg: RunConfig) -> subprocess.Popen:
     """`python -m diloco` with the same config, in its own process group, stopped with us (logs/coordinator.log)."""
     from train.launch.procs import die_with_parent
-    from train.diloco.store import DiLoCoPaths
+    from train.exchange.store import DiLoCoPaths
     from train.config.strategies import STRATEGIES
 
     logf = DiLoCoPaths(cfg.run_dir).logs / "coordinator.log"

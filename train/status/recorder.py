@@ -16,7 +16,7 @@ from pathlib import Path
 
 from train.core import sharedfs
 from train.core.store import append_jsonl, read_json
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.status.timeline import (DELTA_FIELDS, JOURNAL, PICTURE, build_timeline, gen_committed_time, live_results,
                                    read_journal)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from train.core import sharedfs
 from train.core.store import read_json, read_jsonl
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 
 JOURNAL = "timeline.jsonl"
 PICTURE = "timeline.png"

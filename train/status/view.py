@@ -22,7 +22,7 @@ from train.core import sharedfs
 from train.core.errors import NotFound
 from train.core.heartbeat import boot_id, pid_alive
 from train.core.store import read_json, read_jsonl
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.status.timeline import build_timeline, live_deltas, log_tail, read_layout, read_progress, strategy_of
 
 RECENT = 5  # rounds / generations in the table
