@@ -452,7 +452,7 @@ class Soak:
                     last_sample = time.monotonic()
                 latest = self.checker.latest()
                 stop_at = self.a.rounds - max(3, self.a.rounds // 10)  # the last rounds run without new faults
-                if time.monotonic() >= next_fault and latest >= 1 and latest < stop_at and (
+                if kinds and time.monotonic() >= next_fault and latest >= 1 and latest < stop_at and (
                         len(self.faults) < self.a.max_faults):
                     kind = order[0] if order else self.rng.choice(kinds)
                     done = self.inject(kind) is not None
@@ -736,6 +736,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="the report's folder (default: a new temp folder)")
     ap.add_argument("--faults", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
                     help=f"fault kinds (default: all of {', '.join(KINDS)})")
+    ap.add_argument("--no-faults", action="store_true", help="no faults: the baseline a soak's wall time is held "
+                                                               "against (same workers and rounds)")
     ap.add_argument("--gap", type=float, default=None, help="seconds between two faults (default 30; --quick 9)")
     ap.add_argument("--max-faults", type=int, default=None, help="at most this many faults (default: no limit; "
                                                                   "--quick 16)")
@@ -756,6 +758,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.max_faults = a.max_faults or (16 if q else 10 ** 6)
     a.timeout = a.timeout or (420.0 if q else 4 * 3600.0)
     a.out = a.out or tempfile.mkdtemp(prefix="edt-soak-")
+    if a.no_faults:
+        a.faults, a.max_faults = [], 0
     if a.workers < 3:
         ap.error("--workers must be >= 3 (the screen of bad deltas needs 3 deltas in a round)")
     return a
