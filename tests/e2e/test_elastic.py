@@ -13,10 +13,11 @@ import time
 import pytest
 
 from tests.helpers import REPO
-from tests.helpers.proc import kill_all, kill_and_await_restart, progress_of, script_cmd, start_script, wait_until
+from tests.helpers.proc import (coordinator_pid, held, kill_all, kill_and_await_restart, progress_of, script_cmd,
+                                start_script, wait_until)
 from train.config import build_config
 from train.core.store import read_json, read_jsonl, verify_manifest
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.launch.procs import Restarts
 
 
@@ -331,18 +332,22 @@ def test_resume_with_more_then_fewer_workers_reads_no_window_twice(tmp_path, wri
 @pytest.mark.slow
 def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path, write_config):
     """A 2-worker run; a third worker process started by hand after round 1 asks to join (lease status "joining"),
-    the coordinator gives it a slot at the next round boundary, and from then on every round uses its delta."""
-    cfg = write_config(outer={"rounds": 14, "local_steps": 40})
+    the coordinator gives it a slot at the next round boundary, and from then on every round uses its delta.
+    The coordinator is held (SIGSTOP) while the joiner starts: its start-up (torch, the data) must not race the
+    rest of the run, which the two workers could otherwise finish first on a busy box."""
+    R = 8  # admitted by round asked_at + 3 <= 5 (asked while round 1 or 2 is committed): rounds with it remain
+    cfg = write_config(outer={"rounds": R, "local_steps": 40})
     paths = DiLoCoPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     joiner = None
     try:
         wait_until(lambda: paths.committed(1).is_file(), 300, "round 1 committed", sim)
-        joiner = start_script(["-m", "train.diloco.worker", "--config", cfg, "--worker", "2"],
-                              tmp_path / "joiner.log")
-        wait_until(lambda: progress_of(paths, 2).get("status") == "joining", 120, "the joiner asking", joiner)
-        asked_at = paths.latest_committed()
+        with held(coordinator_pid(paths)):
+            joiner = start_script(["-m", "train.diloco.worker", "--config", cfg, "--worker", "2"],
+                                  tmp_path / "joiner.log")
+            wait_until(lambda: progress_of(paths, 2).get("status") == "joining", 120, "the joiner asking", joiner)
+            asked_at = paths.latest_committed()
         out, _ = sim.communicate(timeout=600)
         assert joiner.wait(timeout=120) == 0, (tmp_path / "joiner.log").read_text()[-3000:]
     finally:
@@ -355,7 +360,7 @@ def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path, wri
     recs = {r["round"] - 1: r for r in read_jsonl(paths.metrics) if r.get("round", 0) > 0}
     assert all(recs[r]["workers_used"] == [0, 1] for r in recs if r < seg["from_round"])
     assert all(recs[r]["workers_used"] == [0, 1, 2] for r in recs if r >= seg["from_round"])
-    assert seg["from_round"] < 14, "the join came too late to train a round"
+    assert seg["from_round"] < R, "the join came too late to train a round"
     got = _stream_windows(paths)
     assert len(got) == len(set(got))
     log2 = (tmp_path / "joiner.log").read_text()

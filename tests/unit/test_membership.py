@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers.proc import wait_until
 from train.config import ConfigError, build_config
 from train.core.heartbeat import Heartbeat
 from train.core.store import RunPaths, read_json
@@ -135,6 +136,12 @@ def _child_beats(paths, w: int, then: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 
 
+def _proc_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (Z: a zombie, dead but not reaped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_process_gone_on_this_host_is_gone_at_once_zombie_or_reaped(paths):
     clock = Clock()
     m = Membership(paths, 3, outer(), clock)
@@ -143,7 +150,7 @@ def test_a_process_gone_on_this_host_is_gone_at_once_zombie_or_reaped(paths):
     killed = _child_beats(paths, 2, "sleep")
     assert killed.stdout.readline() == "beat\n"
     killed.send_signal(signal.SIGKILL)
-    time.sleep(0.2)  # not reaped yet: a zombie counts as gone
+    wait_until(lambda: _proc_state(killed.pid) == "Z", 30, "the killed child a zombie")  # not reaped: counts as gone
     hb(paths, 0).beat(force=True, status="training")
     d = m.poll({0})
     killed.wait(10)

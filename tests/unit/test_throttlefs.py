@@ -46,7 +46,8 @@ def test_a_failed_lookup_hides_a_new_name_for_the_ttl_but_a_listing_shows_it(tmp
         with pytest.raises(FileNotFoundError):
             (reader / "COMMITTED").read_text()
         time.sleep(ttl / 2)
-        assert not (reader / "COMMITTED").exists(), "visible before the negative TTL ran out"
+        seen, looked = (reader / "COMMITTED").exists(), time.monotonic() - t0  # a busy box may oversleep
+        assert not seen or looked >= ttl * 0.75, "visible before the negative TTL ran out"
         while not (reader / "COMMITTED").exists():
             assert time.monotonic() - t0 < ttl + 3, "still invisible long after the TTL"
             time.sleep(0.05)
