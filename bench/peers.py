@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -51,6 +52,7 @@ from common import REPO, save_result, table
 
 INSTALL = "pip install -c requirements/lock.txt -e '.[peers]'"
 OUTERS = {"nesterov": ("0.7", "0.9"), "avg": ("1.0", "0.0")}
+TRAIN_LINE = re.compile(r"round (\d+): (\d+) steps, loss \S+ \(last \S+\), (\d+) tok/s")
 
 
 def torchft_missing() -> str | None:
@@ -88,6 +90,7 @@ def prepare(tmp: Path, args) -> tuple[Path, Path]:
     tok = load_tokenizer(cfg)
     model = build_model(cfg)
     data_dir = prepare_data(cfg, tok, check_model_fits(cfg, model, tok), progress=False)
+    args.tokens_per_step = cfg.inner.total_batch_size * cfg.data.seq_length
     theta0 = tmp / "theta0.safetensors"
     save_model(model, str(theta0))
     return theta0, data_dir
@@ -178,12 +181,18 @@ def run_torchft(tmp: Path, args, n: int, outer: str, theta0: Path, data_dir: Pat
     syncs = [r for r in recs if r["event"] == "sync"]
     commits = {r["step"]: r for r in syncs if r["committed"]}
     evals = [r for r in recs if r["event"] == "eval"]
+    train = {}  # round -> the slowest replica's compute in it (its H steps without the sync)
+    for w in range(n):
+        for r in read_jsonl(out / f"tf-w{w}.jsonl"):
+            if r.get("committed"):
+                train[r["step"]] = max(train.get(r["step"], 0.0), r["train_s"])
     w1 = read_jsonl(out / "tf-w1.jsonl")
     starts = [i for i, r in enumerate(w1) if r["event"] == "start"]
     rejoined = None
     if restarted and len(starts) > 1:  # the first round the restarted replica committed in
         rejoined = next((r["round"] for r in w1[starts[-1]:] if r.get("committed")), None)
     return {"system": "torchft", "workers": n, "outer": outer, "fault": fault, "wall_s": wall, "rejoined": rejoined,
+            "train_s": train,
             "commit_times": {s: r["time"] for s, r in commits.items()},
             "participants": {s: r["participants"] for s, r in commits.items()},
             "failed_syncs": sum(1 for r in syncs if not r["committed"]),
@@ -229,7 +238,12 @@ def run_edt(tmp: Path, args, n: int, outer: str, fault: bool) -> dict:
     recs = {r["round"]: r for r in read_jsonl(run / "metrics.jsonl") if "round" in r}
     last = recs[max(recs)]
     rounds = [r for r in recs.values() if r["round"] >= 1]
-    return {"system": "edt", "workers": n, "outer": outer, "fault": fault, "wall_s": wall,
+    train = {}  # committed round -> the slowest worker's compute for it, from the worker's own per-round line
+    for w in range(n):
+        for m in TRAIN_LINE.finditer((run / "logs" / f"worker-{w:03d}.log").read_text()):
+            secs = args.tokens_per_step * int(m[2]) / max(1.0, float(m[3]))  # tokens / (tokens / s)
+            train[int(m[1]) + 1] = max(train.get(int(m[1]) + 1, 0.0), secs)
+    return {"system": "edt", "workers": n, "outer": outer, "fault": fault, "wall_s": wall, "train_s": train,
             "commit_times": {r: rec["time"] for r, rec in recs.items()},
             "participants": {r["round"]: len(r.get("workers_used", [])) for r in rounds},
             "bytes_round": statistics.median(r["bytes_deltas"] + r["worker_bytes_read"] / max(1, len(r["workers_used"]))
@@ -258,6 +272,14 @@ def edt_commit_times(run: Path) -> dict[int, float]:
 def per_round(res: dict) -> float:
     t = {int(k): v for k, v in res["commit_times"].items()}
     d = [t[r] - t[r - 1] for r in sorted(t) if r >= 2 and r - 1 in t]
+    return statistics.median(d) if d else float("nan")
+
+
+def overhead(res: dict) -> float:
+    """Median over rounds 2..R of (round wall - the slowest worker's compute in it): what the exchange costs."""
+    t = {int(k): v for k, v in res["commit_times"].items()}
+    tr = {int(k): v for k, v in res["train_s"].items()}
+    d = [t[r] - t[r - 1] - tr[r] for r in sorted(t) if r >= 2 and r - 1 in t and r in tr]
     return statistics.median(d) if d else float("nan")
 
 
@@ -328,13 +350,13 @@ def main() -> int:
     rows = []
     for (system, n, outer), r in clean.items():
         other = clean.get(("edt" if system == "torchft" else "torchft", n, outer))
-        rows.append([system, n, outer, f"{per_round(r):.2f}",
+        rows.append([system, n, outer, f"{per_round(r):.2f}", f"{overhead(r):.2f}",
                      f"{per_round(r) / per_round(other):.2f}x" if other and system == "edt" else "",
                      f"{r['wall_s']:.0f}", fmt_bytes(r["bytes_round"]), fmt_bytes(r.get("bytes_written_round")),
                      f"{r['eval_loss']:.4f}",
                      f"{(r['eval_loss'] / other['eval_loss'] - 1) * 100:+.2f}%" if other and system == "edt" else ""])
-    print(table(rows, ["system", "workers", "outer", "s/round", "vs torchft", "total wall s", "exchanged/round",
-                       "all writes/round", "eval loss", "loss vs torchft"]))
+    print(table(rows, ["system", "workers", "outer", "s/round", "exchange s/round", "vs torchft", "total wall s",
+                       "exchanged/round", "all writes/round", "eval loss", "loss vs torchft"]))
     frows = []
     for r in results:
         if not r["fault"]:

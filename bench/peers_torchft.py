@@ -87,25 +87,29 @@ def main(spec_path: str, worker: int) -> int:
     out.write(json.dumps({"event": "start", "time": time.time(), "pid": os.getpid()}) + "\n")
 
     with DiLoCo(manager, [model], trainer.opt, outer, sync_every=H, pin_memory=False) as _diloco:
+        # the H-th optimizer.step() of a round runs torchft's quorum + allreduce + outer step in DiLoCo's post-hook;
+        # these hooks, registered after DiLoCo's, bracket it (AdamW's own step on this model is ~1 ms)
+        step_t: list[float] = []
+        trainer.opt.register_step_pre_hook(lambda *a: step_t.append(time.perf_counter()))
+        trainer.opt.register_step_post_hook(lambda *a: step_t.append(time.perf_counter()))
         while manager.current_step() < R:
             r = manager.current_step()
             sampler.begin(*layout.slice(r, worker))
             trainer.step = r * H  # the schedule position of round r (after a heal or a failed commit too)
-            io0, t_sync = None, [0.0]
+            io0 = [0, 0]
 
             def before(i):
-                nonlocal io0
-                if i == H - 1:  # the last step's optimizer.step() runs torchft's quorum + allreduce + outer step
-                    io0 = io_bytes()
-                    t_sync[0] = time.perf_counter()
+                if i == H - 1:
+                    io0[:] = io_bytes()
 
+            step_t.clear()
             stats = trainer.train_steps(sampler.next_batch, H, before_step=before)
-            sync_s = time.perf_counter() - t_sync[0]
+            sync_s = step_t[-1] - step_t[-2]
             io1 = io_bytes()
             out.write(json.dumps({
                 "event": "sync", "time": time.time(), "round": r, "step": manager.current_step(),
                 "committed": manager.current_step() > r, "participants": manager.num_participants(),
-                "loss": stats["loss"], "sync_s": sync_s, "inner_s": stats["seconds"],
+                "loss": stats["loss"], "sync_s": sync_s, "train_s": stats["seconds"] - sync_s,
                 "wchar": io1[0] - io0[0], "rchar": io1[1] - io0[1]}) + "\n")
     if worker == spec["eval_worker"]:
         windows = torch.from_numpy(data.eval_windows(cfg.eval.batches * cfg.eval.batch_size))
