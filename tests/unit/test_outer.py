@@ -216,3 +216,14 @@ def test_eager_gain_is_the_weight_of_one_worker_in_the_outer_step():
         assert_close(base["p0"] - moved["p0"], eager_gain(5, oc, 4) * g["p0"])
     # one averaging worker: the delayed rule (the whole progress)
     assert eager_gain(0, SimpleNamespace(lr=1.0, momentum=0.0, nesterov=True, lr_schedule="constant"), 1) == 1.0
+
+
+def test_the_start_up_line_names_the_outer_step_as_it_acts():
+    """lr 1, momentum 0 is parameter averaging (Nesterov changes nothing without momentum): the start-up line says
+    so rather than "momentum 0.0 nesterov" (issue #36)."""
+    from train.diloco.coordinator import outer_step_words
+
+    assert outer_step_words(1.0, 0.0, True) == "parameter averaging (SGD with lr 1, momentum 0)"
+    assert outer_step_words(0.7, 0.9, True) == "SGD with Nesterov momentum 0.9, lr 0.7"
+    assert outer_step_words(0.7, 0.9, False) == "SGD with momentum 0.9, lr 0.7"
+    assert "nesterov" not in outer_step_words(0.5, 0.0, True).lower()

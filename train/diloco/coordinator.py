@@ -546,7 +546,16 @@ def config_summary(cfg: RunConfig) -> str:
     oc = cfg.outer
     H = f"H={oc.local_steps}" if not oc.local_steps_schedule else \
         "H=" + ", ".join(f"{h} from round {r}" for r, h in oc.local_steps_schedule)
-    return (f"{cfg.project_name}: {oc.num_workers} workers x {oc.rounds} rounds x {H}, outer lr "
-            f"{oc.lr} momentum {oc.momentum}{' nesterov' if oc.nesterov else ''}, model {cfg.model.name}, data "
+    return (f"{cfg.project_name}: {oc.num_workers} workers x {oc.rounds} rounds x {H}, outer step "
+            f"{outer_step_words(oc.lr, oc.momentum, oc.nesterov)}, model {cfg.model.name}, data "
             f"{'fake' if cfg.data.fake_data else cfg.data.dataset} -> {cfg.run_dir}")
+
+
+def outer_step_words(lr: float, momentum: float, nesterov: bool) -> str:
+    """The outer step as a reader should take it: with momentum 0, Nesterov changes nothing, and with lr 1 too the
+    step is parameter averaging."""
+    if momentum == 0:
+        kind = "parameter averaging (SGD with" if lr == 1 else "SGD without momentum ("
+        return f"{kind} lr {lr:g}, momentum 0)" if lr == 1 else f"{kind}lr {lr:g})"
+    return f"SGD with {'Nesterov ' if nesterov else ''}momentum {momentum:g}, lr {lr:g}"
 
