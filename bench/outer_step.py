@@ -1,18 +1,29 @@
-"""Benchmark the DiLoCo outer step on a SmolLM2-135M-shaped model: the work left after the last delta arrives.
+"""Benchmark the DiLoCo round's critical path on a SmolLM2-135M-shaped model: the coordinator's tail (last arrival ->
+commit) and the worker's two sides of it (last inner step -> delta published; commit -> next first step), each
+against its own I/O floor measured in the same run, with the breakdown of where the time goes.
 
-    python bench/outer_step.py [--workers 2 8] [--repeats 3] [--codec none] [--small]
+    python bench/outer_step.py [--workers 2 8] [--repeats 3] [--codec none|int8|topk] [--small]
 
-The coordinator reduces on arrival (train/exchange/accumulate.py): each delta is read, checked (size, sha256, header,
-values) and added to a float64 sum when it is published, while the other workers still train. What is left after
-the last arrival — that delta, the outer step, writing θ_{r+1} (+ momentum) and the commit — should not grow with N.
+The coordinator reduces on arrival (train/exchange/accumulate.py): each delta is read, checked (size, header, values,
+sha256) and added to a float64 sum when it is published, while the other workers still train. What is left after
+the last arrival — that delta, the screen's decision, the outer step, writing θ_{r+1} (+ momentum) and the commit —
+should not grow with N.
 
-For each N, in the same run, on the same disk:
-  tail        the last arrival -> committed: add the last delta, OuterMaster.step, COMMITTED (the N−1 earlier
-              deltas were added before the clock starts, as they are in a real round)
+For each N, in the same run, on the same disk, the measurements interleaved repeat by repeat (medians reported):
+  tail        the last arrival -> committed: add the last delta, screen, OuterMaster.step, COMMITTED (the N−1
+              earlier deltas were added before the clock starts, as they are in a real round); then, after the
+              commit (the workers already go on), the metrics line and the timeline record
   at the end  the same work if every delta were reduced only after the last arrival (what protocol 1 did)
-  I/O floor   the tail's bytes (one delta read; θ_{r+1} and the momentum written, fsync'd) at the disk's measured
-              sequential bandwidth (read with a warm page cache, as the just-written delta is)
-Targets: tail(N=8) / tail(N=2) <= 1.2; tail <= 1.5x its I/O floor. Writes bench/results/outer_step.json.
+  floor       the tail's bytes (one delta read; θ_{r+1} and the momentum written, fsync'd) at the disk's sequential
+              bandwidth measured in the same repeat (reads with a warm page cache, as the just-written delta is)
+  publish     a worker's last inner step -> its delta published: Δ = θ_r − θ_w, encode (with error feedback), write,
+              fsync, sidecar; floor: the delta's bytes written with fsync
+  load        the commit -> the worker's next first step: θ_{r+1} brought to the worker's copy (the global file, or
+              θ_r + the update, or the sum of the sparse deltas; the checksum checked) and into its model; floor:
+              the bytes read at the page-cached read bandwidth
+Each breakdown row is busy seconds summed over threads (reading, hashing and writing run beside the arithmetic, so
+the rows can sum to more than the wall time). Targets: tail / floor <= 1.5 at every N; tail(N max) / tail(N min)
+<= 1.2. Writes bench/results/outer_step[_<codec>].json.
 """
 from __future__ import annotations
 
@@ -35,7 +46,7 @@ def setup_round(root: Path, n: int, small: bool, codec: str):
     from train.core.model import save_model_dir
     from train.core.store import atomic_write_json
     from train.exchange.store import DiLoCoPaths
-    from train.exchange.codec import get_codec
+    from train.exchange.master import exchange_codecs
     from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
     from train.exchange.theta import file_order
 
@@ -47,40 +58,114 @@ def setup_round(root: Path, n: int, small: bool, codec: str):
     save_model_dir(model, paths.global_dir(0))
     atomic_write_json(paths.committed(0), {"round": 0})
     names = file_order(paths.global_dir(0) / "model.safetensors")
-    theta = {k: v.detach() for k, v in model.named_parameters()}
-    c = get_codec("float32" if codec == "none" else codec, cfg.outer.block_size)
+    theta = {k: v.detach().clone() for k, v in model.named_parameters()}
+    c, _ = exchange_codecs(cfg.outer)
     for w in range(n):
         g = torch.Generator().manual_seed(w)
         params = {k: theta[k] - torch.randn(theta[k].shape, generator=g) * 1e-3 for k in names}
         file = write_delta(paths.delta_file(0, w), names, theta, params, c, 0, w)
         publish_sidecar(paths, delta_sidecar(0, w, file, inner_steps=50, tokens=1000 + w, loss=3.0))
         del params
-    return cfg, paths
+    return cfg, paths, model, names, theta
 
 
-def one_round(cfg, paths, n: int, at_end: bool) -> tuple[float, int, int]:
-    """(seconds from the last arrival to the commit, bytes read, bytes written in that time)."""
+def one_round(cfg, paths, n: int, at_end: bool, worker=None) -> dict:
+    """The tail (or the reduce at the end): {s, read, written, phases}; with `worker` (a bench Worker), the worker's
+    load of the committed θ_1 too ({load_s, load_read, load_phases})."""
+    from train.core.phases import Phases
+    from train.core.store import append_jsonl
     from train.exchange.master import OuterMaster
     from train.exchange.protocol import check_sidecar, commit
+    from train.exchange.screen import screen_round
+    from train.status.recorder import TimelineRecorder
 
     m = OuterMaster(paths, cfg.outer, 10)
     m.resume(0)
+    ph = Phases()
+    m.phases = ph
     acc = m.new_accumulator(0)
     early = [] if at_end else list(range(n - 1))
     for w in early:
         acc.add(w, check_sidecar(paths, 0, w, m.delta_codec))
+    ph.busy.clear()
     read_before = acc.bytes_read
     t0 = time.perf_counter()
     for w in range(n):
         if w not in early:
             acc.add(w, check_sidecar(paths, 0, w, m.delta_codec))
+    with ph("screen (decision)"):
+        rejected, _ = screen_round(acc, cfg.outer.screen_norm_ratio, cfg.outer.screen_min_cosine)
+    assert not rejected, rejected
     fields = m.step(0, acc)
-    commit(paths, 1, {k: fields[k] for k in ("theta_sha256", "checkpoint", "codec") if k in fields})
+    with ph("commit"):
+        commit(paths, 1, {"workers": acc.workers, **{k: fields[k] for k in (
+            "update_sha256", "theta_sha256", "checkpoint", "codec", "sparse_step") if k in fields}})
     dt = time.perf_counter() - t0
-    read, written = acc.bytes_read - read_before, fields["bytes_written"]
+    t1 = time.perf_counter()
+    with ph("metrics line (after the commit)"):
+        append_jsonl(paths.root / "bench-metrics.jsonl", {"round": 0, "workers": acc.workers, "tail_s": dt})
+    with ph("timeline (after the commit)"):
+        TimelineRecorder(paths.root, draw=False).round_closed(0)
+    after = time.perf_counter() - t1
+    out = {"s": dt, "after_commit_s": after, "read": acc.bytes_read - read_before,
+           "written": fields["bytes_written"], "phases": dict(ph.busy)}
+    if worker is not None:
+        out.update(worker.load(1))
     m.discard_uncommitted(0)
     paths.committed(1).unlink()
-    return dt, read, written
+    (paths.root / "timeline.jsonl").unlink(missing_ok=True)
+    return out
+
+
+class Worker:
+    """Worker 0's side of the round, with the real code: its copy of θ (GlobalTheta), its model, its residual."""
+
+    def __init__(self, cfg, paths, model, names, theta):
+        from train.exchange.codec import Residual
+        from train.exchange.master import exchange_codecs
+        from train.exchange.theta import GlobalTheta
+
+        self.cfg, self.paths, self.model, self.names, self.theta_r = cfg, paths, model, names, theta
+        self.delta_codec, back = exchange_codecs(cfg.outer)
+        self.copy = GlobalTheta(paths, back)
+        self.residual = Residual(self.delta_codec) if cfg.outer.compression != "none" else None
+        g = torch.Generator().manual_seed(99)
+        self.params = {k: theta[k] - torch.randn(theta[k].shape, generator=g) * 1e-3 for k in names}
+
+    def publish(self) -> dict:
+        """Last inner step -> delta published (into round 9's folder, which no reducer reads)."""
+        from train.core.phases import Phases
+        from train.core.store import atomic_write_json
+        from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
+
+        ph = Phases()
+        if self.residual is not None:
+            self.residual.error.clear()  # every repeat sends the same message
+        t0 = time.perf_counter()
+        file = write_delta(self.paths.delta_file(9, 0), self.names, self.theta_r, self.params, self.delta_codec, 9, 0,
+                           self.residual, phases=ph)
+        with ph("state + sidecar"):
+            atomic_write_json(self.paths.root / "bench-worker-state.json", {"round_done": 9})
+            publish_sidecar(self.paths, delta_sidecar(9, 0, file, inner_steps=50, tokens=1000, loss=3.0))
+        dt = time.perf_counter() - t0
+        shutil.rmtree(self.paths.round_dir(9), ignore_errors=True)
+        return {"s": dt, "written": file["bytes"], "phases": dict(ph.busy)}
+
+    def load(self, r: int) -> dict:
+        """Commit of round r -> θ_r in the model (the worker's load_global, one process)."""
+        from train.core.phases import Phases
+
+        self.copy.load_checkpoint(0)
+        self.copy.take_bytes()
+        ph = Phases()
+        self.copy.phases = ph
+        t0 = time.perf_counter()
+        with ph("θ brought to round r (read, decode, add, checksum)"):
+            self.copy.advance_to(r)
+        with ph("θ into the model"):
+            self.copy.load_into(self.model)
+        dt = time.perf_counter() - t0
+        return {"load_s": dt, "load_read": self.copy.take_bytes(), "load_phases": dict(ph.busy)}
 
 
 def bandwidth(root: Path, nbytes: int) -> tuple[float, float]:
@@ -105,47 +190,95 @@ def bandwidth(root: Path, nbytes: int) -> tuple[float, float]:
     return read_bw, write_bw
 
 
+def _med_phases(runs: list[dict], key: str = "phases") -> dict[str, float]:
+    names = sorted({k for r in runs for k in r[key]}, key=lambda k: -median([r[key].get(k, 0.0) for r in runs]))
+    return {k: median([r[key].get(k, 0.0) for r in runs]) for k in names}
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--codec", default="none", help="outer.compression of the run (none = fp32 deltas)")
     ap.add_argument("--small", action="store_true", help="a tiny model, to check the script quickly")
+    ap.add_argument("--no-at-end", action="store_true", help="skip the reduce-at-the-end comparison (faster)")
     ap.add_argument("--dir", default=None, help="where to put the files (default: a temp dir on /tmp's disk)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    results, rows = {}, []
+    results, rows, wrows, breakdowns = {}, [], [], []
+    loads = [load_average()]
     for n in args.workers:
         root = Path(tempfile.mkdtemp(prefix="edt-bench-", dir=args.dir))
         try:
             print(f"N={n}: publishing {n} deltas in {root} ...", flush=True)
-            cfg, paths = setup_round(root, n, args.small, args.codec)
-            tails, ends, bws = [], [], []
-            for i in range(args.repeats):
-                t, read, written = one_round(cfg, paths, n, at_end=False)
-                tails.append(t)
-                e, _, _ = one_round(cfg, paths, n, at_end=True)
-                ends.append(e)
-                bws.append(bandwidth(root, max(written, 64 << 20)))
-                print(f"  repeat {i + 1}: tail {t:.2f}s, reduce at the end {e:.2f}s", flush=True)
+            cfg, paths, model, names, theta = setup_round(root, n, args.small, args.codec)
+            worker = Worker(cfg, paths, model, names, theta)
+            tails, ends, pubs, bws = [], [], [], []
+            for i in range(args.repeats):  # interleaved: each repeat measures everything, the floor included
+                tails.append(one_round(cfg, paths, n, at_end=False, worker=worker))
+                if not args.no_at_end:
+                    ends.append(one_round(cfg, paths, n, at_end=True))
+                pubs.append(worker.publish())
+                bws.append(bandwidth(root, max(tails[-1]["written"], pubs[-1]["written"], 64 << 20)))
+                loads.append(load_average())
+                print(f"  repeat {i + 1}: tail {tails[-1]['s']:.2f}s"
+                      + (f", reduce at the end {ends[-1]['s']:.2f}s" if ends else "")
+                      + f", publish {pubs[-1]['s']:.2f}s, load {tails[-1]['load_s']:.2f}s (load avg {loads[-1]})",
+                      flush=True)
             read_bw, write_bw = median([b[0] for b in bws]), median([b[1] for b in bws])
-            floor = read / read_bw + written / write_bw
-            results[n] = {"tail_s": tails, "at_end_s": ends, "floor_s": floor, "read_bytes": read,
-                          "written_bytes": written, "read_bw": read_bw, "write_bw": write_bw}
-            rows.append([n, f"{median(tails):.2f} s", f"{median(ends):.2f} s", f"{floor:.2f} s",
-                         f"{median(tails) / floor:.2f}x"])
+            t = tails[-1]
+            floor = t["read"] / read_bw + t["written"] / write_bw
+            pub_floor = pubs[-1]["written"] / write_bw
+            load_floor = t["load_read"] / read_bw
+            tail, pub, load = (median([x["s"] for x in tails]), median([x["s"] for x in pubs]),
+                               median([x["load_s"] for x in tails]))
+            results[n] = {"tail_s": [x["s"] for x in tails], "at_end_s": [x["s"] for x in ends], "floor_s": floor,
+                          "read_bytes": t["read"], "written_bytes": t["written"], "read_bw": read_bw,
+                          "write_bw": write_bw, "tail_phases": _med_phases(tails),
+                          "after_commit_s": median([x["after_commit_s"] for x in tails]),
+                          "publish_s": [x["s"] for x in pubs], "publish_floor_s": pub_floor,
+                          "publish_phases": _med_phases(pubs), "load_s": [x["load_s"] for x in tails],
+                          "load_floor_s": load_floor, "load_phases": _med_phases(tails, "load_phases")}
+            rows.append([n, f"{tail:.2f} s", f"{median([x['s'] for x in ends]):.2f} s" if ends else "-",
+                         f"{floor:.2f} s", f"{tail / floor:.2f}x"])
+            wrows.append([n, f"{pub:.2f} s", f"{pub_floor:.2f} s", f"{pub / pub_floor:.2f}x", f"{load:.2f} s",
+                          f"{load_floor:.3f} s", f"{load / max(load_floor, 1e-9):.1f}x"])
+            breakdowns.append((n, tail, results[n]))
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\nouter step, {'small model' if args.small else 'SmolLM2-135M shape'}, codec {args.codec}")
+    shape = "small model" if args.small else "SmolLM2-135M shape"
+    print(f"\nouter step, {shape}, codec {args.codec}, {os.cpu_count()} cores, load average before / during: "
+          f"{loads[0]} / {', '.join(loads[1:])}")
     print(table(rows, ["workers", "tail (last arrival -> commit)", "reduce all at the end", "tail's I/O floor",
                        "tail / floor (target <= 1.5x)"]))
+    for n, tail, res in breakdowns:
+        print(f"\nN={n}: the tail's breakdown (busy seconds, summed over threads; wall {tail:.2f} s; after the "
+              f"commit {res['after_commit_s']:.3f} s more)")
+        print(table([[k, f"{v:.3f}"] for k, v in res["tail_phases"].items()], ["phase", "busy s"]))
+    print("\nthe worker's side (the same run)")
+    print(table(wrows, ["workers", "last step -> delta published", "its floor (write + fsync)", "ratio",
+                        "commit -> next first step", "its floor (read)", "ratio"]))
+    n0, _, res0 = breakdowns[-1]
+    print(f"\nN={n0}: the worker's breakdown (busy seconds)")
+    print(table([[f"publish: {k}", f"{v:.3f}"] for k, v in res0["publish_phases"].items()]
+                + [[f"load: {k}", f"{v:.3f}"] for k, v in res0["load_phases"].items()], ["phase", "busy s"]))
     if len(args.workers) >= 2:
         lo, hi = min(args.workers), max(args.workers)
         growth = median(results[hi]["tail_s"]) / median(results[lo]["tail_s"])
-        print(f"tail growth N={lo} -> N={hi}: {growth:.2f}x (target <= 1.2x); reduce at the end: "
-              f"{median(results[hi]['at_end_s']) / median(results[lo]['at_end_s']):.2f}x")
+        end_growth = (f"; reduce at the end: {median(results[hi]['at_end_s']) / median(results[lo]['at_end_s']):.2f}x"
+                      if results[hi]["at_end_s"] else "")
+        print(f"\ntail growth N={lo} -> N={hi}: {growth:.2f}x (target <= 1.2x){end_growth}")
         results["growth"] = growth
-    save_result("outer_step" + ("_small" if args.small else ""), {"args": vars(args), "results": results})
+    results["load_average"] = loads
+    suffix = ("" if args.codec == "none" else f"_{args.codec}") + ("_small" if args.small else "")
+    save_result("outer_step" + suffix, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -77,8 +77,11 @@ class StreamingWriter:
     """
 
     def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, hash_bytes: bool = True, phases=None):
+        from train.core.phases import NO_PHASES
+
         self.path = Path(path)
+        self.phases = phases or NO_PHASES  # where the background thread's time goes (bench/outer_step.py)
         self.specs = dict(specs)
         self.order = list(specs)
         header: dict = {}
@@ -95,7 +98,7 @@ class StreamingWriter:
         self._header = struct.pack("<Q", len(raw)) + raw
         self.nbytes = len(self._header) + offset
         self._next = 0
-        self._hash = hashlib.sha256()
+        self._hash = hashlib.sha256() if hash_bytes else None  # False: a file nobody checks by its sha256
 
     def __enter__(self) -> "StreamingWriter":
         sharedfs.makedirs(self.path.parent)
@@ -117,12 +120,17 @@ class StreamingWriter:
 
     def _emit(self, data, keepalive=None) -> None:
         def job(data=data, keepalive=keepalive):  # keepalive: the tensor that owns `data`'s memory
-            sharedfs.pwrite(self._fd, data, self._offset, self._tmp)
+            ph = self.phases
+            with ph("write"):
+                sharedfs.pwrite(self._fd, data, self._offset, self._tmp)
             self._offset += len(data)
-            self._hash.update(data)
+            if self._hash is not None:
+                with ph("sha256"):
+                    self._hash.update(data)
             self._unsynced += len(data)
             if self._unsynced >= self.SYNC_EVERY:
-                sharedfs.retry("fsync", self._tmp, lambda: os.fdatasync(self._fd))
+                with ph("fsync"):
+                    sharedfs.retry("fsync", self._tmp, lambda: os.fdatasync(self._fd))
                 self._unsynced = 0
         self._bg.submit(job)
 
@@ -140,22 +148,25 @@ class StreamingWriter:
         self._next += 1
 
     @property
-    def sha256(self) -> str:
-        return self._hash.hexdigest()
+    def sha256(self) -> str | None:
+        return self._hash.hexdigest() if self._hash is not None else None
 
     def __exit__(self, exc_type, exc, tb) -> None:
         fd = self._fd
         try:
-            self._bg.drain()
+            with self.phases("write (waiting for the writer thread)"):
+                self._bg.drain()
             if exc_type is None:
                 if self._next != len(self.order):
                     raise ValueError(f"{self.path.name}: only {self._next}/{len(self.order)} tensors written")
-                sharedfs.fsync(fd, self._tmp)
+                with self.phases("fsync"):
+                    sharedfs.fsync(fd, self._tmp)
             os.close(fd)
             fd = None
             if exc_type is None:
-                sharedfs.replace(self._tmp, self.path)
-                fsync_dir(self.path.parent)
+                with self.phases("fsync"):
+                    sharedfs.replace(self._tmp, self.path)
+                    fsync_dir(self.path.parent)
         finally:
             if fd is not None:
                 os.close(fd)  # also when we raise above (e.g. too few tensors): no leaked handle
@@ -310,3 +321,148 @@ class SequentialReader:
         if self._bg is not None:
             bg, self._bg = self._bg, None
             bg.drain()
+
+
+class PipelinedReader:
+    """Read a safetensors file front to back on a background thread, hashing every byte as it is read, and hand its
+    tensors over in groups (a model tensor's codes and scales) through a bounded queue: the caller works on group k
+    while group k + 1 is read and hashed (preadv and hashlib release the GIL). One pass gives the tensors and the
+    file's sha256; at most `depth` + 2 groups are in memory at once.
+
+        rd = PipelinedReader(path, [("w", ["w", "w::scale"]), ...])
+        for key, tensors in rd:
+            ...
+        sha = rd.finish()   # the whole file's sha256, trailing bytes included
+
+    `groups` names every tensor the caller wants, each once. When they are not one contiguous run of the file's
+    order (a file written by another writer), the file is read whole, in its own order, before the first group is
+    handed over: the same result, without the overlap. Close it (`close`) when the loop stops early."""
+
+    PIECE = 8 << 20  # bytes per read (and hash update) inside a tensor
+
+    def __init__(self, path: str | os.PathLike, groups: list[tuple[object, list[str]]], depth: int = 2,
+                 phases=None):
+        import queue
+        import threading
+
+        from train.core.phases import NO_PHASES
+
+        self.path = Path(path)
+        self.groups = groups
+        self.phases = phases or NO_PHASES
+        self.nbytes = 0  # read so far
+        self._q: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._hash = hashlib.sha256()
+        self._stop = False
+        self._fd = sharedfs.open_fd(self.path, os.O_RDONLY)
+        try:
+            self.header, n, self.size = _header_of(self.path, self._fd)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.metadata = self.header.pop("__metadata__", {}) or {}
+        self._base = 8 + n
+        wanted = [name for _, names in groups for name in names]
+        order = sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0])
+        self.in_order = wanted == order[:len(wanted)]
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    _END = object()
+
+    def _put(self, item) -> None:
+        import queue
+
+        while not self._stop:
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _read(self, name: str, pos: int) -> tuple[torch.Tensor, int]:
+        info = self.header.get(name)
+        if info is None:
+            raise ValueError(f"{self.path}: no tensor {name!r}")
+        start, end = info["data_offsets"]
+        if start != pos:
+            raise ValueError(f"{self.path}: tensor {name!r} is not next in file order")
+        if end < start or self._base + end > self.size:
+            raise ValueError(f"{self.path}: truncated inside tensor {name!r}")
+        buf = bytearray(end - start)
+        view = memoryview(buf)
+        for o in range(0, len(buf), self.PIECE):
+            piece = view[o:o + self.PIECE]
+            with self.phases("read"):
+                got = sharedfs.preadinto(self._fd, piece, self._base + start + o, self.path)
+            if got != len(piece):
+                raise ValueError(f"{self.path}: truncated inside tensor {name!r}")
+            self.nbytes += got
+            with self.phases("sha256"):
+                self._hash.update(piece)
+        return _tensor_from(buf, info), end
+
+    def _run(self) -> None:
+        try:
+            with self.phases("read"):
+                head = sharedfs.pread(self._fd, self._base, 0, self.path)
+            self.nbytes += len(head)
+            self._hash.update(head)
+            pos = 0
+            if self.in_order:
+                for key, names in self.groups:
+                    out = {}
+                    for name in names:
+                        out[name], pos = self._read(name, pos)
+                    self._put((key, out))
+                    if self._stop:
+                        return
+            else:  # the whole file in its own order, then the groups from memory
+                every = {}
+                for name in sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0]):
+                    every[name], pos = self._read(name, pos)
+                for key, names in self.groups:
+                    missing = [x for x in names if x not in every]
+                    if missing:
+                        raise ValueError(f"{self.path}: no tensor {missing[0]!r}")
+                    self._put((key, {x: every[x] for x in names}))
+            if self.in_order:  # the tensors nobody asked for, hashed
+                for name in sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0]):
+                    if self.header[name]["data_offsets"][0] >= pos:
+                        _, pos = self._read(name, pos)
+            off = self._base + pos
+            while chunk := sharedfs.pread(self._fd, self.PIECE, off, self.path):
+                off += len(chunk)
+                self.nbytes += len(chunk)
+                self._hash.update(chunk)
+            self._put(self._END)
+        except BaseException as e:  # raised in the caller's thread
+            self._put(e)
+
+    def __iter__(self):
+        while True:
+            item = self._q.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def finish(self) -> str:
+        """After the loop: the file's sha256 (every byte, in order)."""
+        self.close()
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        import queue
+
+        self._stop = True
+        while self._t.is_alive():
+            try:
+                self._q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self._t.join()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,50 +1,100 @@
 """Reduce on arrival: the coordinator checks and adds each worker's delta of a round the moment it is published, so
 the work left after the last arrival (one delta, the outer step, the commit) does not grow with the number of workers.
 
-Each delta is read once (its bytes hashed against the sidecar's sha256 on the way), its header checked against the
-run's codec and the global model's shapes, its values checked (finite, scales >= 0), and only then decoded and added:
-a rejected delta leaves the sum untouched. The sum is kept in float64 with the raw token counts as weights
-(Σ_w tokens_w · Δ_w, divided once at the end), so the mean does not depend on the order in which deltas arrive
-(a float32 value times an integer token count is exact in float64, and a float64 sum of a few of them rounds to
-the same float32 whatever the order); with one worker the mean is exactly its delta.
+Each delta is read once, front to back, on a background thread that hashes its bytes as they come
+(train/core/tensorio.py's PipelinedReader), while this thread checks and adds the tensor before it: its size and
+header are checked against the sidecar, the run's codec and the global model's shapes before a byte of data is read,
+each tensor's values (finite, scales >= 0) just before it is added, and the file's sha256 against the sidecar's once
+the last byte is in. A delta rejected after some of its tensors went into the sum (a torn file whose sha256 differs,
+a NaN in its last tensor) is taken back out by rebuilding the sum from the accepted files in one fixed order, as the
+screen's `drop` does, never by subtracting: a rejected delta leaves no trace in the sum.
+
+The sum is kept in float64 with the raw token counts as weights (Σ_w tokens_w · Δ_w, divided once at the end), added
+in pieces of CHUNK values so no temporary is larger than a piece. Why float64, and why nothing less: a float32 value
+times an integer token count below 2^29 is exact in float64, so the first add is exact and each later one rounds
+once, at 2^-53 relative — 2^-29 of the float32 ulp the mean is rounded to; the float32 mean of N deltas is then the
+correctly rounded weighted mean except within N · 2^-29 ulp of a rounding boundary, so it does not depend on the
+order of arrival (the replay after a restart adds the deltas in the commit record's order, the screen's rebuild by
+worker id, late deltas arrive in between: all give the same bits), and with one worker the mean is exactly its
+delta (tokens · Δ / tokens). A float32 sum (even in a fixed order) loses both: tokens · Δ rounds, so one worker's
+mean is not its delta, and the rounding of each add depends on the order. Every other copy of θ never sums dense
+deltas: it loads θ_{r+1} or applies the coordinator's update (topk's fixed-order sum is train/exchange/sparse.py's).
 """
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
-from safetensors.torch import load as load_safetensors
 
 from train.core import sharedfs
-from train.exchange.store import DiLoCoPaths
-from train.core.tensorio import read_header
+from train.core.phases import NO_PHASES
+from train.core.tensorio import PipelinedReader, read_header
 from train.exchange.codec import Codec, CodecError
 from train.exchange.protocol import RejectedDelta
 from train.exchange.screen import DeltaStats
+from train.exchange.store import DiLoCoPaths
+
+CHUNK = 1 << 20  # values per piece of the float64 add (8 MB): the temporaries stay small and in cache
+
+
+def _whole_file_reason(acc, f, meta: dict) -> str | None:
+    """After another check failed: the size or sha256 reason when the file is not the one its sidecar vouches for
+    (the truer reason: a torn file whose header happens to break), else None."""
+    try:
+        data = sharedfs.read_bytes(f)
+    except OSError as e:
+        return f"unreadable delta file ({e})"
+    acc.bytes_read += len(data)
+    if len(data) != meta["bytes"]:
+        return f"file has {len(data)} bytes, sidecar says {meta['bytes']} (truncated?)"
+    if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        return "sha256 of the file differs from its sidecar (torn or corrupt)"
+    return None
+
+
+def open_checked(acc, w: int, f, meta: dict) -> None:
+    """The checks before any data is read: the file's size against the sidecar's, its header against the codec of
+    `acc` (its codec, shapes; bytes read go to its bytes_read) and the global model's shapes."""
+    try:
+        size = sharedfs.stat(f).st_size
+    except OSError as e:
+        raise RejectedDelta(w, f"unreadable delta file ({e})")
+    if size != meta["bytes"]:
+        acc.bytes_read += size
+        raise RejectedDelta(w, f"file has {size} bytes, sidecar says {meta['bytes']} (truncated?)")
+    try:
+        header, fmeta = read_header(f)
+        acc.codec.check_header(header, acc.shapes, fmeta)
+    except (CodecError, ValueError, OSError) as e:
+        raise RejectedDelta(w, _whole_file_reason(acc, f, meta) or str(e))
 
 
 def read_checked_delta(acc, r: int, w: int, meta: dict) -> dict[str, torch.Tensor]:
     """Worker w's delta file of round r, checked against its sidecar `meta` (size, sha256) and the codec of `acc`
     (an Accumulator or train/exchange/sparse.py's SparseAccumulator: its paths, codec, shapes; the bytes read are
-    added to its bytes_read, a rejected file's too): its tensors, or RejectedDelta with the reason."""
-    paths, codec, shapes = acc.paths, acc.codec, acc.shapes
-    f = paths.delta_file(r, w)
+    added to its bytes_read, a rejected file's too): its tensors, or RejectedDelta with the reason. One pass over
+    the file (hashed while it is read)."""
+    codec, shapes = acc.codec, acc.shapes
+    f = acc.paths.delta_file(r, w)
+    open_checked(acc, w, f, meta)
+    names = [k for n, s in shapes.items() for k in codec.specs(n, tuple(s))]
     try:
-        data = sharedfs.read_bytes(f)  # retried on a flaky mount (train/core/sharedfs.py)
-    except OSError as e:
-        raise RejectedDelta(w, f"unreadable delta file ({e})")
-    acc.bytes_read += len(data)
-    if len(data) != meta["bytes"]:
-        raise RejectedDelta(w, f"file has {len(data)} bytes, sidecar says {meta['bytes']} (truncated?)")
-    if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        rd = PipelinedReader(f, [(None, names)], phases=getattr(acc, "phases", None))
+        try:
+            stored = next(iter(rd))[1]
+            sha = rd.finish()
+        finally:
+            rd.close()
+            acc.bytes_read += rd.nbytes
+    except (ValueError, OSError, StopIteration) as e:
+        raise RejectedDelta(w, _whole_file_reason(acc, f, meta) or str(e))
+    if sha != meta["sha256"]:
         raise RejectedDelta(w, "sha256 of the file differs from its sidecar (torn or corrupt)")
     try:
-        header, fmeta = read_header(f)
-        codec.check_header(header, shapes, fmeta)
-        stored = load_safetensors(data)
         for n, shape in shapes.items():
             codec.check_values(n, stored, shape)
-    except (CodecError, ValueError, OSError) as e:
+    except (CodecError, ValueError) as e:
         raise RejectedDelta(w, str(e))
     return stored
 
@@ -53,10 +103,10 @@ class Accumulator:
     """Σ_w a_w Δ_w over the accepted deltas of round r (a_w = tokens, or 1 without token weighting)."""
 
     def __init__(self, paths: DiLoCoPaths, r: int, shapes: dict[str, tuple], codec: Codec, token_weighted: bool,
-                 screen: bool = False):
+                 screen: bool = False, phases=None):
         self.paths, self.r, self.shapes, self.codec = paths, r, shapes, codec
         self.token_weighted = token_weighted
-        self.sum: dict[str, torch.Tensor] = {}
+        self.sum: dict[str, torch.Tensor] = {}   # flat float64, one per tensor
         self.total = 0.0
         self.workers: list[int] = []      # in the order they were added
         self.metas: dict[int, dict] = {}
@@ -64,6 +114,7 @@ class Accumulator:
         self.late_weights: dict[int, float] = {}
         self.weights: dict[int, float] = {}  # each on-time delta's weight a_w
         self.bytes_read = 0
+        self.phases = phases or NO_PHASES  # where the time goes (bench/outer_step.py)
         # outer.screen: each on-time delta's norm and sample, taken as it is decoded (train/exchange/screen.py)
         self.stats = DeltaStats(shapes) if screen else None
 
@@ -71,17 +122,35 @@ class Accumulator:
         """Check worker w's delta (its sidecar already passed check_sidecar) and add it; RejectedDelta otherwise.
         `late_weight`: the delta is w's late one of round r - 1, folded in with that factor on its weight."""
         late = late_weight is not None
-        stored = read_checked_delta(self, self.r - 1 if late else self.r, w, meta)
+        f = self.paths.delta_file(self.r - 1 if late else self.r, w)
         a = (float(meta["tokens"]) if self.token_weighted else 1.0) * (late_weight if late else 1.0)
-        watch = self.stats is not None and not late and observe
-        for n, shape in self.shapes.items():
-            d = self.codec.decode(n, stored, shape).to(torch.float64)
-            if watch:
-                self.stats.observe(w, n, d)
-            if n in self.sum:
-                self.sum[n].add_(d, alpha=a)
-            else:
-                self.sum[n] = d.mul_(a)
+        key = w if self.stats is not None and not late and observe else None
+        ph = self.phases
+        with ph("checks"):
+            open_checked(self, w, f, meta)
+        groups = [(n, list(self.codec.specs(n, tuple(s)))) for n, s in self.shapes.items()]
+        touched = False
+        rd = PipelinedReader(f, groups, phases=ph)
+        try:
+            for n, stored in rd:
+                with ph("checks"):
+                    self.codec.check_values(n, stored, self.shapes[n])
+                touched = True
+                self._add_tensor(n, stored, a, key)
+            sha = rd.finish()
+            reason = None if sha == meta["sha256"] else "sha256 of the file differs from its sidecar (torn or corrupt)"
+        except (CodecError, ValueError, OSError) as e:
+            rd.close()
+            reason = _whole_file_reason(self, f, meta) or str(e)
+        finally:
+            rd.close()
+            self.bytes_read += rd.nbytes
+        if reason is not None:
+            if key is not None:
+                self.stats.forget(w)
+            if touched:  # take its tensors back out: the sum of the accepted files, rebuilt in a fixed order
+                self.drop(set())
+            raise RejectedDelta(w, reason)
         self.total += a
         if late:
             self.late[w] = meta
@@ -90,6 +159,32 @@ class Accumulator:
         self.workers.append(w)
         self.metas[w] = meta
         self.weights[w] = a
+
+    def _add_tensor(self, n: str, stored: dict[str, torch.Tensor], a: float, key) -> None:
+        """sum[n] += a · decode(stored), in pieces of CHUNK values (the screen's statistics on the way)."""
+        ph, shape = self.phases, self.shapes[n]
+        with ph("decode"):
+            if self.codec.quantised:  # block codes and scales: decoded per tensor (a tensor-sized temporary)
+                dec = self.codec.decode(n, stored, shape).reshape(-1)
+            else:  # a cast, decoded piece by piece below
+                dec = stored[n].reshape(-1)
+        numel = math.prod(shape)
+        s = self.sum.get(n)
+        first = s is None
+        if first:
+            s = self.sum[n] = torch.empty(numel, dtype=torch.float64)
+        for i in range(0, numel, CHUNK):
+            j = min(numel, i + CHUNK)
+            with ph("accumulate"):
+                d = dec[i:j].to(torch.float64)  # exact, from float32 (and from the 16-bit casts)
+            if key is not None:
+                with ph("screen"):
+                    self.stats.observe_chunk(key, n, i, d)
+            with ph("accumulate"):
+                if first:
+                    torch.mul(d, a, out=s[i:j])
+                else:
+                    s[i:j].add_(d, alpha=a)
 
     def drop(self, out: set[int]) -> None:
         """Take the on-time deltas of workers `out` back out (the screen rejected them): the sum is rebuilt from the
@@ -106,6 +201,15 @@ class Accumulator:
         for w, meta, lw in late:
             self.add(w, meta, late_weight=lw)
 
-    def mean(self, name: str) -> torch.Tensor:
-        """The weighted mean delta of one tensor, float32."""
-        return (self.sum[name] / self.total).to(torch.float32)
+    def mean(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weighted mean delta of one tensor, float32 (into `out` when given: a flat float32 tensor)."""
+        s = self.sum[name]
+        res = torch.empty(s.numel(), dtype=torch.float32) if out is None else out
+        for i in range(0, s.numel(), CHUNK):
+            j = min(s.numel(), i + CHUNK)
+            res[i:j].copy_(s[i:j] / self.total)
+        return res.reshape(self.shapes[name])
+
+    def mean_piece(self, name: str, i: int, j: int) -> torch.Tensor:
+        """Values i..j of the flat weighted mean of one tensor, float32 (a new piece: the outer step overwrites it)."""
+        return (self.sum[name][i:j] / self.total).to(torch.float32)

@@ -25,7 +25,8 @@ import torch
 from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
-from train.exchange.outer import outer_lr_at, outer_step_tensor
+from train.core.phases import NO_PHASES
+from train.exchange.outer import outer_lr_at, outer_step_piece, outer_step_tensor
 from train.core.store import publish_dir, read_json
 from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, iter_tensors
@@ -79,6 +80,7 @@ class OuterMaster:
         self.theta = GlobalTheta(paths, self.codec)
         self.names, self.shapes = self.theta.names, self.theta.shapes
         self.momentum: dict[str, torch.Tensor] = {}
+        self.phases = NO_PHASES  # where the tail's time goes (bench/outer_step.py sets a Phases)
         # topk: every copy sums the sparse deltas itself: no update, no residual of ours, no momentum (SparseLoCo)
         self.sparse = bool(getattr(self.codec, "sparse", False))
         self.residual = Residual(self.codec) if self.codec is not None and not self.sparse else None
@@ -95,10 +97,12 @@ class OuterMaster:
         if self.sparse:
             from train.exchange.sparse import SparseAccumulator
 
-            return SparseAccumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted,
-                                     screen=getattr(self.oc, "screen", False))
+            acc = SparseAccumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted,
+                                    screen=getattr(self.oc, "screen", False))
+            acc.phases = self.phases
+            return acc
         return Accumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted,
-                           screen=getattr(self.oc, "screen", False))
+                           screen=getattr(self.oc, "screen", False), phases=self.phases)
 
     def is_checkpoint_round(self, r: int) -> bool:
         return self.codec is None or r % self.oc.checkpoint_every == 0 or r >= self.last_round
@@ -189,11 +193,56 @@ class OuterMaster:
             self._seen[n] = seen
         return stored, new_theta
 
+    def _step_full(self, r: int, acc: Accumulator, lr: float | None = None) -> int:
+        """No codec: θ_{r+1} and m_{r+1} computed in place, piece by piece (train/exchange/outer.py's
+        outer_step_piece on the mean's pieces: no model-sized temporary), each tensor handed to two writers as soon as
+        it is done — the global model and the outer state, written, hashed and fsync'd on their own threads while
+        the next tensor is computed. Returns the bytes written. A retried global folder (publish_dir starts `fill`
+        again after a transient error) writes the tensors already stepped as they are: each is stepped once."""
+        from train.exchange.accumulate import CHUNK
+
+        oc, ph = self.oc, self.phases
+        lr = outer_lr_at(r, oc) if lr is None else lr
+        specs = {n: (torch.float32, tuple(self.shapes[n])) for n in self.names}
+        stepped: set[str] = set()
+        nbytes: list[int] = []
+        with StreamingWriter(self.paths.outer_state(r + 1), specs, {"round": str(r + 1)}, hash_bytes=False,
+                             phases=ph) as mw:
+            def fill(tmp: Path) -> dict:
+                for fname in ("config.json", "generation_config.json"):
+                    if sharedfs.exists(self.paths.global_dir(0) / fname):
+                        sharedfs.copy_file(self.paths.global_dir(0) / fname, tmp / fname)
+                with StreamingWriter(tmp / WEIGHTS, specs, {"format": "pt"}, phases=ph) as wr:
+                    for n in self.names:
+                        theta = self.theta.tensors[n]
+                        if n not in stepped:
+                            with ph("outer step"):
+                                p, numel = theta.view(-1), theta.numel()
+                                m = self.momentum.get(n)
+                                m = None if m is None else m.view(-1)
+                                new_m = torch.empty(numel, dtype=torch.float32) if m is None else m
+                                for i in range(0, numel, CHUNK):
+                                    j = min(numel, i + CHUNK)
+                                    g = acc.mean_piece(n, i, j)
+                                    b = outer_step_piece(p[i:j], g, None if m is None else m[i:j], lr, oc.momentum,
+                                                         oc.nesterov)
+                                    if m is None:
+                                        new_m[i:j] = b
+                                self.momentum[n] = new_m.view(theta.shape)
+                        wr.write(n, theta)
+                        if n not in stepped:
+                            mw.write(n, self.momentum[n])
+                            stepped.add(n)
+                nbytes.append(wr.nbytes)
+                return {WEIGHTS: wr.sha256}
+            publish_dir(self.paths.global_dir(r + 1), fill)
+        return nbytes[-1] + mw.nbytes
+
     def _write_update(self, path: Path, stored: dict[str, torch.Tensor], r: int) -> tuple[str, int]:
         specs = {}
         for n in self.names:
             specs.update(self.codec.specs(n, self.shapes[n]))
-        with StreamingWriter(path, specs, {"round": str(r), **self.codec.metadata()}) as wr:
+        with StreamingWriter(path, specs, {"round": str(r), **self.codec.metadata()}, phases=self.phases) as wr:
             for k in specs:
                 wr.write(k, stored[k])
         return wr.sha256, wr.nbytes
@@ -209,17 +258,25 @@ class OuterMaster:
 
             lr = outer_lr_at(r, self.oc) if lr is None else lr
             fields["sparse_step"] = {"lr": lr, "token_weighted": bool(self.oc.token_weighted)}
-            stored, new_theta = {}, {n: sparse_step(self.theta.tensors[n], acc.mean(n), lr) for n in self.names}
+            with self.phases("sums of the sparse deltas, outer step"):
+                stored, new_theta = {}, {n: sparse_step(self.theta.tensors[n], acc.mean(n), lr) for n in self.names}
+        elif self.codec is None:  # θ_{r+1} and the momentum, computed and written together
+            written += self._step_full(r, acc, lr)
+            self.theta.round = r + 1
+            fields.update(checkpoint=True, codec="none", bytes_written=written)
+            return fields
         else:
-            stored, new_theta = self._step(r, acc, lr)
+            with self.phases("outer step, encode the update (+ error feedback)"):
+                stored, new_theta = self._step(r, acc, lr)
         if self.codec is None or self.sparse:
             self.theta.tensors = new_theta
         else:
             sha, nbytes = self._write_update(self.paths.update_file(r + 1), stored, r + 1)
             written += nbytes
             fields["update_sha256"] = sha
-            for n in self.names:
-                self.theta.tensors[n] = self.theta.tensors[n].add(self._seen[n])
+            with self.phases("θ + decoded update"):
+                for n in self.names:
+                    self.theta.tensors[n] = self.theta.tensors[n].add(self._seen[n])
         self.theta.round = r + 1
         checkpoint = self.is_checkpoint_round(r + 1)
         if checkpoint:
@@ -234,7 +291,8 @@ class OuterMaster:
                     mw.write(k, v)
             written += mw.nbytes
         if self.codec is not None:  # without a codec every copy loads the file itself: its MANIFEST has the sha256
-            fields["theta_sha256"] = theta_checksum(self.theta.tensors, self.names)
+            with self.phases("θ checksum"):
+                fields["theta_sha256"] = theta_checksum(self.theta.tensors, self.names)
         fields.update(checkpoint=checkpoint, codec=self.codec.name if self.codec else "none", bytes_written=written)
         return fields
 

@@ -42,6 +42,21 @@ def outer_step_tensor(param: torch.Tensor, grad: torch.Tensor, momentum: torch.T
     return new.to(param.dtype), buf
 
 
+def outer_step_piece(param: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None, lr: float, mu: float,
+                     nesterov: bool = True) -> torch.Tensor:
+    """outer_step_tensor in place, on float32 pieces (views) of θ, g and m: `param` becomes θ_{r+1}, `momentum`
+    m_{r+1} (None, the first step: a new buffer, returned), `grad` is overwritten. Element by element the same
+    IEEE operations as outer_step_tensor (m·μ + g; g + μ·m; θ − η·step), so the same bits, in any pieces
+    (tests/unit/test_outer.py); no temporary. Returns the momentum piece."""
+    if momentum is None:
+        buf = grad.clone()
+    else:
+        buf = momentum.mul_(mu).add_(grad)
+    step = grad.add_(buf, alpha=mu) if nesterov else buf
+    param.sub_(step, alpha=lr)
+    return buf
+
+
 def outer_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
                momentum: dict[str, torch.Tensor] | None, lr: float, mu: float, nesterov: bool = True,
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -36,20 +36,27 @@ class RejectedDelta(Exception):
 @torch.no_grad()
 def write_delta(path: Path, names: list[str], theta_r: Mapping[str, torch.Tensor],
                 params: Mapping[str, torch.Tensor], codec: "Codec | str", r: int, w: int,
-                residual: Residual | None = None) -> dict:
+                residual: Residual | None = None, phases=None) -> dict:
     """Stream Δ = θ_r − θ_w to `path` tensor by tensor (in `names` order, the global file's), encoded with `codec`
     (a Codec, or a dtype name: float32, bfloat16, float16); with `residual`, error feedback: what the codec loses
-    is carried into the next round's delta. Returns the sidecar's file fields {sha256, bytes, dtype, codec, finite}."""
+    is carried into the next round's delta. Returns the sidecar's file fields {sha256, bytes, dtype, codec, finite}.
+    `phases`: a train/core/phases.py Phases that learns where the time goes (bench/outer_step.py)."""
+    from train.core.phases import NO_PHASES
+
+    ph = phases or NO_PHASES
     codec = get_codec(codec) if isinstance(codec, str) else codec
     specs: dict = {}
     for n in names:
         specs.update(codec.specs(n, tuple(theta_r[n].shape)))
     finite = True
-    with StreamingWriter(path, specs, metadata={"round": str(r), "worker": str(w), **codec.metadata()}) as wr:
+    with StreamingWriter(path, specs, metadata={"round": str(r), "worker": str(w), **codec.metadata()},
+                         phases=ph) as wr:
         for n in names:
-            d = theta_r[n] - params[n].detach().to("cpu", torch.float32)
-            finite = finite and bool(torch.isfinite(d).all())
-            stored = residual.send(n, d)[0] if residual is not None else codec.encode(n, d)
+            with ph("Δ = θ_r − θ_w, finite"):
+                d = theta_r[n] - params[n].detach().to("cpu", torch.float32)
+                finite = finite and bool(torch.isfinite(d).all())
+            with ph("encode (+ error feedback)"):
+                stored = residual.send(n, d)[0] if residual is not None else codec.encode(n, d)
             for k, t in stored.items():
                 wr.write(k, t)
     dtype = "float32" if codec.lossless else codec.name

@@ -65,9 +65,14 @@ class DeltaStats:
 
     def observe(self, key, name: str, d: torch.Tensor) -> None:
         """Delta `key`'s decoded tensor `name` (any float dtype; read, not kept)."""
+        self.observe_chunk(key, name, 0, d)
+
+    def observe_chunk(self, key, name: str, offset: int, d: torch.Tensor) -> None:
+        """The values `offset`.. of delta `key`'s decoded tensor `name`, pieces fed in order (the accumulator's
+        pieces: the samples are the same every-s-th values of the flat model as a whole tensor's)."""
         flat = d.reshape(-1).to(torch.float64)
         self.norm2[key] = self.norm2.get(key, 0.0) + float(flat.dot(flat))
-        phase = (-self.start[name]) % self.stride
+        phase = (-(self.start[name] + offset)) % self.stride
         self.samples.setdefault(key, []).append(flat[phase::self.stride].clone())
 
     def forget(self, key) -> None:
