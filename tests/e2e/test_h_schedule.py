@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.proc import kill_sim_at_random_moments, run_script, script_cmd
-from train.core.store import RunPaths, read_json, read_jsonl
+from train.core.store import read_json, read_jsonl
+from train.exchange.store import DiLoCoPaths
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: runs, kills, reruns on 2 busy cores
 
 
 @pytest.mark.parametrize("overlap", ["none", "delayed"])
@@ -18,7 +19,7 @@ def test_h_schedule_trains_each_round_its_h_and_reads_no_window_twice(write_conf
                               "keep_rounds": 1})
     out = run_script("diloco_sim.py", "--config", str(cfg), timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     recs = {r["round"]: r for r in read_jsonl(paths.metrics)}
     assert sorted(recs) == list(range(rounds + 1))
     windows = []
@@ -39,13 +40,14 @@ def test_h_schedule_trains_each_round_its_h_and_reads_no_window_twice(write_conf
         assert "of 5 steps" in paths.worker_log(0).read_text()  # the fold speaks of round 2's H
 
 
+@pytest.mark.timeout(600)  # up to 3 killed runs and the rerun
 def test_h_schedule_run_killed_at_random_moments_resumes_and_reads_no_window_twice(write_config, tmp_path):
     """SIGKILL the simulator (coordinator + workers) at random moments of a run whose H changes, with the delayed
     outer step; the same command finishes it, every round trained for its H, no window read twice."""
     H, batch = [3, 3, 6, 6, 6, 2], 8
     cfg = write_config(outer={"rounds": len(H), "local_steps_schedule": [[0, 3], [2, 6], [5, 2]],
                               "overlap": "delayed", "keep_rounds": 1})
-    paths = RunPaths(tmp_path / "runs" / "t")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
     kills = kill_sim_at_random_moments(script_cmd("diloco_sim.py", "--config", str(cfg)), paths, len(H), seed=1,
                                        tries=3, max_pause=1.5)
     assert kills >= 1

@@ -42,8 +42,10 @@ def tiny_config(base_dir: Path, **sections) -> dict:
                  "max_tokens": 200_000},
         "inner": {"lr": 3e-3, "warmup_steps": 2, "per_device_batch_size": 8, "total_batch_size": 8,
                   "threads": 1, "device": "cpu"},
+        # straggler_factor 0: a round waits for every live worker, so that which deltas a round uses never depends
+        # on how fast a busy box runs each process (the tests of the straggler deadline set it themselves)
         "outer": {"num_workers": 2, "rounds": 3, "local_steps": 5, "lr": 0.7, "momentum": 0.9,
-                  "poll_interval_s": 0.05, "round_timeout_s": 120},
+                  "poll_interval_s": 0.05, "round_timeout_s": 120, "straggler_factor": 0.0},
         "eval": {"batch_size": 8, "batches": 2},
         "logging": {"progress": False, "plot": False},  # the tests that check plots turn them on
     }
