@@ -26,7 +26,7 @@ from train.exchange.master import exchange_codecs
 from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
 from train.exchange.theta import GlobalTheta, theta_checksum
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: runs, kills, restarts on 2 busy cores
 
 OUTER = {"compression": "int8", "rounds": 5, "checkpoint_every": 2, "local_steps": 4, "block_size": 32}
 
@@ -101,6 +101,7 @@ def test_int8_run_keeps_one_theta_checkpoints_load_and_host_local_state(tmp_path
 
 # eager covers the synchronous replay too (the same coordinator and worker replays, plus the overlap's threads);
 # the plain protocol's random kills are tests/e2e/test_kill.py's
+@pytest.mark.timeout(600)  # a reference run, up to 2 killed runs and the rerun
 @pytest.mark.parametrize("overlap", ["eager", "topk-eager"])
 def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     """Coordinator replay (momentum, residual from the deltas since the checkpoint) and worker replay (rounds whose

@@ -158,6 +158,7 @@ def test_a_late_worker_is_left_out_then_rejoins_and_a_missing_reducer_times_out(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_two_worker_processes_match_the_coordinator_run(tmp_path):
     """The same micro Llama, data shards, AdamW schedule and clipping as `python -m train.diloco.worker`: the user loop
     of tests/helpers/diloco_opt_worker.py in two processes gives diloco_sim.py's global model of every kept round, bit
@@ -200,6 +201,7 @@ def test_two_worker_processes_match_the_coordinator_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_example_notebook_runs(tmp_path, monkeypatch):
     """examples/diloco_optimizer.ipynb, executed as a user would (a Jupyter kernel), with tiny sizes."""
     nbformat = pytest.importorskip("nbformat")

@@ -19,6 +19,7 @@ HOLD_S = 10.0  # how long the disk stays full (the fault itself, not a wait for 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_a_full_base_dir_mid_run_is_waited_out_without_restarts(tmp_path):
     R, H = 5, 40
     with small_fs(tmp_path / "fs", "96m") as mnt:

@@ -106,6 +106,7 @@ def check_lineage(paths: EDTPaths, generations: int, population: int) -> list[di
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_three_workers_two_generations_complete(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -174,6 +175,7 @@ def _training(paths: EDTPaths, w: int, gen_at_least: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_sigkill_coordinator_and_a_worker_mid_generation_then_the_run_finishes(tmp_path):
     """Cluster layout: 2 worker processes, population 3 (jobs queue), the coordinator a separate process.
     SIGKILL the coordinator mid-generation (workers keep going), restart it; then SIGKILL a worker holding a job:
@@ -233,6 +235,7 @@ def test_sigkill_coordinator_and_a_worker_mid_generation_then_the_run_finishes(t
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_a_worker_started_mid_run_takes_jobs_of_the_next_generation(tmp_path):
     """EDT joining: workers pull jobs from the queue, so one more worker process (any new id) started mid-run takes
     jobs from the next generation on, and the run finishes with it.

@@ -122,6 +122,7 @@ def _running(pid: int | None) -> bool:
 
 # -- DiLoCo: a SIGKILLed worker is restarted by the simulator -------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes(tmp_path, write_config):
     """3 workers; SIGKILL worker 1 while it trains round 1: its supervisor restarts it, it resumes from its own state
     and the same run finishes (no rerun); the final model loads; every delta counted once."""
@@ -158,6 +159,7 @@ def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes
 
 # -- SIGTERM = leave -------------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path, write_config):
     from train.exchange.membership import Membership
 
@@ -198,6 +200,7 @@ def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path, write_confi
 
 # -- EDT: a slot whose job keeps failing is refilled by selection ----------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_edt_slot_refilled_by_selection_when_its_job_is_abandoned(tmp_path, write_config):
     """Population 2 on 2 workers, edt.max_attempts = 1: SIGKILL the worker that holds m001 in generation 0. The
     coordinator sees its process gone, the job is abandoned once, and slot m001 becomes a copy of m000 (the only
@@ -250,6 +253,7 @@ def _coordinator_uses_membership() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 @pytest.mark.skipif(not _coordinator_uses_membership(),
                     reason="needs the DiLoCo coordinator to consult train/exchange/membership.py (exchange rewrite)")
 def test_round_closes_without_a_frozen_worker_within_dead_after_s(tmp_path, write_config):
@@ -303,6 +307,7 @@ def _stream_windows(paths: DiLoCoPaths) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_resume_with_more_then_fewer_workers_reads_no_window_twice(tmp_path, write_config):
     """2 workers for 2 rounds, then the same run resumed with 3 workers, then with 1: the data layout re-splits the
     stream at the first round nobody started, every used delta's slice is disjoint from every other and the tokens
@@ -330,6 +335,7 @@ def test_resume_with_more_then_fewer_workers_reads_no_window_twice(tmp_path, wri
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path, write_config):
     """A 2-worker run; a third worker process started by hand after round 1 asks to join (lease status "joining"),
     the coordinator gives it a slot at the next round boundary, and from then on every round uses its delta.
@@ -368,6 +374,7 @@ def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path, wri
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_a_late_delta_is_folded_into_the_next_round_with_its_staleness_weight(tmp_path, write_config):
     """outer.late_weight = 0.5 with int8: worker 1 is frozen (SIGSTOP) in round 1 until the round closes without it
     (dead_after_s), then thawed: it publishes its round-1 delta late and round 2 folds it in at half weight; the

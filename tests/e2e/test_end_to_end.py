@@ -10,9 +10,10 @@ import torch
 from tests.helpers import REPO
 from tests.helpers.proc import run_script, start_script
 from train.core.store import read_jsonl, verify_manifest
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 
-pytestmark = pytest.mark.slow
+# one xdist worker: the module's shared run; its first test also pays for that run
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("finished_run"), pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from train.evomerge.breeding import decode_evomerge, evomerge_genes
 from train.merge.methods import Recipe
 from train.core.store import read_json, read_jsonl, verify_manifest
 
+pytestmark = pytest.mark.xdist_group("specialists")  # one xdist worker: the module's shared fixture
+
 TASKS = ("addition", "reverse", "sort")
 
 
@@ -117,6 +119,7 @@ def write_cfg(tmp_path, raw: dict) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_mismatched_parents_are_refused_before_any_work(tmp_path, specialists):
     """edt_sim.py (its coordinator refuses the parents after it has started the worker processes, which it stops)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -132,6 +135,7 @@ def test_mismatched_parents_are_refused_before_any_work(tmp_path, specialists):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_evomerge_three_specialists_two_generations_resume_after_sigkill(tmp_path, specialists):
     """Cluster layout (coordinator + 2 workers as separate processes): SIGKILL the coordinator and a worker in
     generation 1, rerun the same commands, and the run completes with the report."""

@@ -17,7 +17,7 @@ from train.core.store import read_json, read_jsonl, verify_manifest
 from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import load_tensors, save_streaming
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: runs, kills, reruns on 2 busy cores
 
 
 def _check_finished(paths: DiLoCoPaths, rounds: int, workers: int, H: int, batch: int, seq: int) -> None:
@@ -58,6 +58,7 @@ def test_sigkill_worker_mid_round_then_rerun_finishes(write_config, tmp_path):
     _check_finished(paths, 3, 2, 400, 8, 32)
 
 
+@pytest.mark.timeout(600)  # up to 3 killed runs and the rerun
 def test_sigkill_simulator_at_random_moments_then_rerun_finishes(write_config, tmp_path):
     """The simulator hosts the coordinator: kill it (workers die with it) at random points, several times."""
     cfg = write_config(outer={"rounds": 6, "local_steps": 4, "keep_rounds": 1})

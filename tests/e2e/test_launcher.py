@@ -27,7 +27,9 @@ from train.launch.machines import load_machines
 from train.launch.launcher import Launcher, shell_line
 from train.launch.remote import group_members, records, state_of
 from train.launch.ssh import HostKeyError, SSHError, SSHOptions, connect
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
+
+pytestmark = pytest.mark.xdist_group("sshd")  # one xdist worker: the module's shared fixture
 
 ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -231,6 +233,7 @@ def _machines(sshd, **extra) -> list[dict]:
 
 @pytest.mark.ssh
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_launch_status_logs_stop_resume_over_ssh(sshd, tmp_path):
     c = Cluster(sshd, tmp_path, _machines(sshd), tiny_config(tmp_path / "runs", outer={"rounds": 500,
                                                                                           "local_steps": 3}))
@@ -289,6 +292,7 @@ def test_launch_status_logs_stop_resume_over_ssh(sshd, tmp_path):
 
 @pytest.mark.ssh
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_a_host_that_fails_to_start_stops_the_others(sshd, tmp_path):
     ms = _machines(sshd)
     ms[1]["python"] = "/nonexistent/python3"
@@ -313,6 +317,7 @@ def test_a_host_that_fails_to_start_stops_the_others(sshd, tmp_path):
 
 @pytest.mark.ssh
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 @pytest.mark.skipif(not (REPO / "edt.py").is_file() or not (REPO / "train" / "edt" / "worker.py").is_file(),
                     reason="the EDT strategy (edt.py, train/edt/worker.py) is not in this checkout")
 def test_edt_run_over_ssh(sshd, tmp_path):
@@ -340,6 +345,7 @@ def _fp(pub_line: str) -> str:
 
 @pytest.mark.ssh
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_unknown_and_changed_host_keys_are_refused(sshd, tmp_path):
     m = load_machines_from(tmp_path, [sshd.machine(HOSTS[0], "m1")])[0]
     empty = tmp_path / "empty_known_hosts"
@@ -379,6 +385,7 @@ def load_machines_from(tmp_path: Path, entries: list) -> list:
 
 @pytest.mark.ssh
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_closed_port_and_silent_server_fail_within_the_timeout(sshd, tmp_path):
     opts = SSHOptions(known_hosts=str(sshd.known_hosts), connect_timeout=2)
     closed = free_port()
@@ -412,6 +419,7 @@ def test_closed_port_and_silent_server_fail_within_the_timeout(sshd, tmp_path):
 # -- injection -------------------------------------------------------------------------------------------------------
 @pytest.mark.ssh
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_hostile_values_in_machines_and_config_run_nothing(sshd, tmp_path):
     evil = "".join(HOSTILE)
     work = tmp_path / ("work " + evil.replace("/", "_"))  # the checkout on "both hosts", with a hostile path
@@ -451,6 +459,7 @@ def test_hostile_values_in_machines_and_config_run_nothing(sshd, tmp_path):
 
 @pytest.mark.ssh
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_preflight_catches_a_base_dir_that_is_not_shared(sshd, tmp_path):
     ms = _machines(sshd)
     for m, h in zip(ms, ("home1", "home2")):  # base_dir "~/runs": each "host" has its own home

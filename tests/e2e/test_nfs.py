@@ -27,7 +27,8 @@ from tests.helpers.proc import kill_all
 from train.core.store import RunPaths, read_jsonl
 from train.core.tensorio import load_tensors
 
-pytestmark = pytest.mark.slow
+# one xdist worker: the module's shared runs; a test also pays for the fixture runs it is the first to use
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("nfs"), pytest.mark.timeout(300)]
 
 WORKERS, ROUNDS, H = 3, 5, 6
 

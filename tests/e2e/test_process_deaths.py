@@ -216,6 +216,7 @@ def _run_sim(cfg: str, ready, kill) -> tuple[subprocess.Popen, str, object]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_sigkill_the_coordinator_the_workers_say_so_and_the_run_finishes(tmp_path):
     """SIGKILL the coordinator while it collects round 1: the workers say in one line that it is gone (and that it
     is back), its supervisor restarts it, it resumes from its last commit and the same run finishes: no rerun,
@@ -250,6 +251,7 @@ def test_sigkill_the_coordinator_the_workers_say_so_and_the_run_finishes(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_sigkill_a_supervisor_the_simulator_restarts_it_and_the_run_finishes(tmp_path):
     """SIGKILL the supervisor of worker 1 while worker 1 trains round 1: the worker stops with it (parent-death
     signal), the simulator says exactly that, restarts both, the worker resumes from its own state and the run

@@ -26,6 +26,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_ctrl_c_stops_all_workers_and_rerun_resumes(write_config, tmp_path):
     cfg_path = write_config(outer={"rounds": 40, "local_steps": 3})
     paths = DiLoCoPaths(tmp_path / "runs" / "t")

@@ -19,8 +19,10 @@ from tests.helpers.proc import wait_until
 from tests.helpers.slurm import skip_reason, start_slurm
 from train.config import ConfigError
 from train.core.store import read_json
-from train.diloco.store import DiLoCoPaths
+from train.exchange.store import DiLoCoPaths
 from train.launch.slurm import SlurmLauncher, SlurmOptions, parse_time
+
+pytestmark = pytest.mark.xdist_group("slurm")  # one xdist worker: the module's shared fixture
 
 ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -204,6 +206,7 @@ class Run:
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_unknown_partition_submits_nothing(slurm, tmp_path):
     r = Run(slurm, tmp_path)
     out = r.cli("launch", "--partition", "gpu")
@@ -215,6 +218,7 @@ def test_unknown_partition_submits_nothing(slurm, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_diloco_run_finishes_after_a_cancelled_step(slurm, tmp_path):
     # min_workers = 2: no round commits without worker 1, so the run can end only through its restarted step; each
     # worker is a 2-process torchrun group (gloo) inside its step, the layout of a multi-GPU worker
@@ -249,6 +253,7 @@ def test_diloco_run_finishes_after_a_cancelled_step(slurm, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_stop_makes_every_process_leave(slurm, tmp_path):
     r = Run(slurm, tmp_path, data=SMALL_DATA, outer={"rounds": 1000})
     try:
@@ -267,6 +272,7 @@ def test_stop_makes_every_process_leave(slurm, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_edt_run_resumes_after_a_requeue_and_finishes(slurm, tmp_path):
     r = Run(slurm, tmp_path, data=SMALL_DATA, edt={"max_generations": 10})
     try:

@@ -49,6 +49,7 @@ def test_make_specialists_resumes_and_reports(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_cli_fast_parallel_jobs(tmp_path):
     """scripts/make_specialists.py end to end: two specialists trained at once in spawned worker processes."""
     out = tmp_path / "cli"

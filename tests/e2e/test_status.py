@@ -57,6 +57,7 @@ def _left_behind(paths: DiLoCoPaths, w: int, start: int, rounds: int) -> int | N
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_a_killed_worker_and_a_straggler_in_the_timeline_and_the_status_view(tmp_path, write_config):
     R = 8
     cfg = write_config(outer={"num_workers": 3, "rounds": R, "local_steps": 60, "dead_after_s": 2,
@@ -117,6 +118,7 @@ def test_a_killed_worker_and_a_straggler_in_the_timeline_and_the_status_view(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_an_edt_runs_generations_and_jobs_on_the_worker_lanes(tmp_path, write_config):
     cfg = write_config(outer={"num_workers": 2, "local_steps": 4},
                   edt={"population_size": 3, "max_generations": 2, "mutation_steps": 3},

@@ -101,6 +101,7 @@ def test_optional_metric_loggers_fail_early_when_missing(tmp_path, caplog):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_seed_command_runs_as_a_two_process_torchrun_worker(tmp_path):
     """The issue's command line under torchrun (2 gloo processes), with world rank 0 starting the coordinator."""
     ck = tmp_path / "ck"

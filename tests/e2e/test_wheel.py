@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # builds a wheel, a venv, installs, runs
 
 # what a wheel is built from (the checkout's sources and the embedded default, not its runs, caches or tests)
 SKIP = shutil.ignore_patterns(".git", "runs", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
