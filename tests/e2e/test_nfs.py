@@ -28,7 +28,7 @@ from train.core.store import RunPaths, read_jsonl
 from train.core.tensorio import load_tensors
 
 # one xdist worker: the module's shared runs; a test also pays for the fixture runs it is the first to use
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("nfs"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("nfs"), pytest.mark.timeout(600)]
 
 WORKERS, ROUNDS, H = 3, 5, 6
 
