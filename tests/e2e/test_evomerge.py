@@ -156,6 +156,8 @@ def test_evomerge_three_specialists_two_generations_resume_after_sigkill(tmp_pat
     try:
         # kill everything as soon as generation 1's jobs (the merged children) are committed: mid-generation
         wait_until(lambda: paths.gen_committed(1).is_file(), 240, "generation 1 committed", procs[0])
+        for p in procs:  # all frozen at once first: none trains on while another is being killed
+            os.killpg(p.pid, signal.SIGSTOP)
         for p in procs:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(30)
