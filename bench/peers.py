@@ -283,6 +283,15 @@ def overhead(res: dict) -> float:
     return statistics.median(d) if d else float("nan")
 
 
+def stall(res: dict, at: int) -> tuple[float, float]:
+    """(the round the kill hit, the run's normal round before it): commit-to-commit, same run, so the box's load of
+    the moment weighs on both."""
+    t = {int(k): v for k, v in res["commit_times"].items()}
+    d = {r: t[r] - t[r - 1] for r in t if r >= 2 and r - 1 in t}
+    before = [d[r] for r in d if r <= at]
+    return d.get(at + 1, float("nan")), statistics.median(before) if before else float("nan")
+
+
 def span(res: dict) -> float:
     t = {int(k): v for k, v in res["commit_times"].items()}
     return t[max(t)] - t[min(k for k in t if k >= 1)]
@@ -365,12 +374,14 @@ def main() -> int:
         without = sum(1 for k, v in r["participants"].items() if int(k) >= 1 and v < r["workers"])
         frows.append([r["system"], r["workers"], r["outer"], "yes" if r["killed"] else "NO", r["restarts"],
                       "-" if r.get("rejoined") is None else f"round {r['rejoined'] + 1}",
-                      f"{span(r) - span(base):+.1f}", without, r.get("failed_syncs", 0), f"{r['eval_loss']:.4f}",
+                      "{:.1f} ({:.1f})".format(*stall(r, args.at)), f"{span(r) - span(base):+.1f}", without,
+                      r.get("failed_syncs", 0), f"{r['eval_loss']:.4f}",
                       f"{(r['eval_loss'] / base['eval_loss'] - 1) * 100:+.2f}%"])
     if frows:
         print(f"\nworker 1 SIGKILLed a third into round {args.at + 1} and restarted after 1 s "
               f"(heartbeat timeout / dead_after_s {args.dead_after:g} s)")
-        print(table(frows, ["system", "workers", "outer", "killed", "restarts", "back in", "time lost s",
+        print(table(frows, ["system", "workers", "outer", "killed", "restarts", "back in", "hit round s (normal)",
+                            "vs no-kill run s",
                             "rounds without it", "failed syncs", "eval loss", "vs no kill"]))
     path = save_result("peers", {"args": vars(args), "results": results, "time": time.time(),
                                  "total_s": time.time() - t_all})
