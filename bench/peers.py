@@ -321,6 +321,7 @@ def main() -> int:
     ap.add_argument("--fault-workers", type=int, help="workers of the kill runs (default: the first of --workers)")
     ap.add_argument("--run-timeout", type=float, default=900.0)
     ap.add_argument("--set", action="append", default=[], help="one more config override for both systems")
+    ap.add_argument("--results", type=Path, help="write the results JSON here (default bench/results/peers.json)")
     args = ap.parse_args()
     if args.quick:
         args.workers, args.outer, args.rounds, args.local_steps = [2], ["nesterov"], 6, 12
@@ -383,8 +384,13 @@ def main() -> int:
         print(table(frows, ["system", "workers", "outer", "killed", "restarts", "back in", "hit round s (normal)",
                             "vs no-kill run s",
                             "rounds without it", "failed syncs", "eval loss", "vs no kill"]))
-    path = save_result("peers", {"args": vars(args), "results": results, "time": time.time(),
-                                 "total_s": time.time() - t_all})
+    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "results": results, "time": time.time(), "total_s": time.time() - t_all}
+    if args.results:
+        path = args.results
+        path.write_text(json.dumps(record, indent=1))
+    else:
+        path = save_result("peers", record)
     print(f"written: {path}; {time.time() - t_all:.0f} s in all")
     key_t, key_e = clean.get(("torchft", 2, "nesterov")), clean.get(("edt", 2, "nesterov"))
     if key_t and key_e:
