@@ -211,7 +211,8 @@ def main() -> None:
     ap.add_argument("--no-at-end", action="store_true", help="skip the reduce-at-the-end comparison (faster)")
     ap.add_argument("--dir", default=None, help="where to put the files (default: a temp dir on /tmp's disk)")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(cores)
     results, rows, wrows, breakdowns = {}, [], [], []
     loads = [load_average()]
     for n in args.workers:
@@ -254,7 +255,7 @@ def main() -> None:
         finally:
             shutil.rmtree(root, ignore_errors=True)
     shape = "small model" if args.small else "SmolLM2-135M shape"
-    print(f"\nouter step, {shape}, codec {args.codec}, {os.cpu_count()} cores, load average before / during: "
+    print(f"\nouter step, {shape}, codec {args.codec}, {cores} cores, load average before / during: "
           f"{loads[0]} / {', '.join(loads[1:])}")
     print(table(rows, ["workers", "tail (last arrival -> commit)", "reduce all at the end", "tail's I/O floor",
                        "tail / floor (target <= 1.5x)"]))
