@@ -331,3 +331,27 @@ def test_workers_alive_watches_the_leases(paths):
     finally:
         a.stop()
     assert set(alive) == {0} and alive[0].startswith("alive")
+
+
+def test_a_resumed_coordinator_does_not_wait_the_startup_grace_for_a_worker_out_before_it(paths):
+    """The soak (bench/soak.py) found: a worker that had left long before the coordinator restarted was waited for
+    dead_after_s + startup_grace_s in the first round after every restart. A worker the last commit says was
+    missing, whose lease is final or silent, is gone at once; one that was in the last round keeps the allowance
+    (a whole run stopped and started again), and one that beats again is alive."""
+    clock = Clock()
+    left = hb(paths, 1)
+    left.beat(force=True, status="training")
+    left.stop("left")
+    was_in = hb(paths, 2)
+    was_in.beat(force=True, status="training")
+    was_in.stop("left")  # Ctrl-C of the whole run: every worker left, and comes back with the run
+    m = Membership(paths, 3, outer(dead_after_s=10, startup_grace_s=120), clock)
+    m.out_before({1: "exited (status left)"})  # the last commit: worker 1 missing, workers 0 and 2 in
+    hb(paths, 0).beat(force=True, status="training")
+    d = m.poll({0})
+    assert d.gone == {1: "out since before the coordinator started (exited (status left))"}
+    assert d.missing[2].startswith("starting") and not d.close
+    back = hb(paths, 1)
+    back.beat(force=True, status="waiting for round 0")  # worker 1 started again: judged as any other
+    clock.t += 0.2
+    assert m.poll({0}).missing[1].startswith("alive")

@@ -85,6 +85,8 @@ class _Lease:
     born: float = -math.inf        # our clock when its present lease id (process) was first seen changing; -inf
     #                                for the process already beating when we started
     proven: bool = False           # that process has delivered a delta (its start-up is behind it)
+    out_before: str | None = None  # missing from the last round committed before we started (why): no start-up
+    #                                allowance until it beats again
 
 
 class Membership:
@@ -190,9 +192,24 @@ class Membership:
             self.leases.pop(w, None)
         self.n = n
 
+    def out_before(self, missing: dict[int, str]) -> None:
+        """A resumed coordinator: the workers missing from the last committed round (with the reason it gave) whose
+        lease is final (left, exited), absent, or silent for dead_after_s were out before this process started;
+        while their lease stays as it was they are gone at once, not waited for dead_after_s + startup_grace_s
+        (that allowance is for processes starting with the run: after a whole run is stopped and started again,
+        its workers were in the last round). A worker that beats again is judged as any other from then on."""
+        for w, why in missing.items():
+            ls = self.leases.get(w)
+            rec = (ls.record or {}) if ls is not None else {}
+            stale = time.time() - float(rec.get("time") or 0) >= self.dead_after_s  # (wall clock: the lease's own)
+            if ls is not None and (not rec or rec.get("status") in GONE_STATUSES or stale):
+                ls.out_before = why
+
     def state(self, w: int, now: float) -> tuple[str, str]:
         """("alive" | "starting" | "gone", reason) of worker w as of the last observe()."""
         ls = self.leases[w]
+        if not ls.current and ls.out_before is not None:
+            return "gone", f"out since before the coordinator started ({ls.out_before})"
         if not ls.current:
             limit = self.dead_after_s + self.startup_grace_s
             age = now - ls.changed  # since we started watching it
