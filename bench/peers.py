@@ -210,7 +210,8 @@ def run_edt(tmp: Path, args, n: int, outer: str, fault: bool) -> dict:
            str(tmp), "--project", project, "--no-progress", "--threads", "1",
            *[a for s in config_sets(args, n, outer) for a in ("--set", s)]]
     t0 = time.time()
-    sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    sim_log = open(tmp / f"{project}.sim.log", "w")
+    sim = subprocess.Popen(cmd, stdout=sim_log, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     killed = False
     try:
@@ -228,13 +229,16 @@ def run_edt(tmp: Path, args, n: int, outer: str, fault: bool) -> dict:
                     except (OSError, ValueError, KeyError):
                         pass
             time.sleep(0.05)
-        err = sim.stderr.read()
     finally:
         if sim.poll() is None:
             sim.kill()
+        sim_log.close()
     wall = time.time() - t0
     if sim.returncode != 0:
-        raise SystemExit(f"{project} failed (exit {sim.returncode}):\n{err[-3000:]}")
+        err = (tmp / f"{project}.sim.log").read_text()
+        coord = run / "logs" / "coordinator.log"
+        raise SystemExit(f"{project} failed (exit {sim.returncode}):\n{err[-3000:]}"
+                         + (f"\n{coord}:\n{coord.read_text()[-2000:]}" if coord.exists() else ""))
     recs = {r["round"]: r for r in read_jsonl(run / "metrics.jsonl") if "round" in r}
     last = recs[max(recs)]
     rounds = [r for r in recs.values() if r["round"] >= 1]
