@@ -167,3 +167,28 @@ def test_not_a_run_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
     assert "not a run folder (no run.json)" in out.stderr
     assert not any(tmp_path.iterdir())  # read-only
+
+
+def test_a_long_run_is_drawn_with_a_collection_per_lane_and_state_not_per_segment(tmp_path, monkeypatch):
+    """The 1000-round soak (bench/soak.py) found the picture quadratic in its segments: a broken_barh call per
+    segment, each re-scaling the axes over all the earlier ones (26k segments: over 10 minutes of the coordinator's
+    CPU, in its background thread, every few minutes). A lane's segments of one state go in one collection."""
+    import train.status.draw as draw_mod
+    from train.status.timeline import Lane, Mark, Segment, Timeline
+
+    rounds, lanes = 400, []
+    for w in range(4):
+        segs, t = [], 0.0
+        for r in range(rounds):
+            segs += [Segment(t, t + 0.6, "compute", r), Segment(t + 0.6, t + 0.7, "publishing", r),
+                     Segment(t + 0.7, t + 1.0, "waiting", r)]
+            t += 1.0
+        lanes.append(Lane(f"w{w:03d}", segs, [Mark(5.0 * k, "late") for k in range(50)]))
+    tl = Timeline("diloco", lanes, [(r, float(r)) for r in range(rounds)], [(r, 10**6) for r in range(rounds)],
+                  {ln.name: 0.6 for ln in lanes}, 0.0, float(rounds))
+    figs = []
+    monkeypatch.setattr(draw_mod, "save_figure", lambda fig, out: figs.append(fig))
+    draw_mod.draw_timeline(tl, tmp_path / "t.png")
+    ax = figs[0].axes[0]
+    assert sum(len(line.get_xdata()) for line in ax.lines) == 4 * 50  # the marks: one line per kind
+    assert len(ax.collections) <= 4 * 3 + 1, len(ax.collections)  # lanes x states + the boundaries, not 4 x 1200

@@ -30,24 +30,33 @@ def draw_timeline(tl: Timeline, out: Path, title: str = "") -> None:
     t0 = tl.t0
     names = [ln.name for ln in tl.lanes]
     used, marks_used = set(), set()
+    # One collection per (state, height) and one line per mark kind: matplotlib re-scales the axes over every
+    # collection at each call, so a call per segment made a long run's picture quadratic (26k segments of a
+    # 1000-round soak: over 10 minutes; batched, seconds).
+    bars: dict[tuple[str, float, float], list[tuple[float, float]]] = {}
+    points: dict[str, tuple[list[float], list[float]]] = {}
     for i, lane in enumerate(tl.lanes):
         y = n - 1 - i
+        split = any(x.sub for x in lane.segments)
         for s in lane.segments:
-            h, base = (0.35, y - 0.4) if s.sub else (0.8, y - 0.4)
             if s.sub:
-                base = y - 0.4
+                base, h = y - 0.4, 0.35
             else:
-                base = y - 0.4 if not any(x.sub for x in lane.segments) else y - 0.05
-                h = 0.8 if not any(x.sub for x in lane.segments) else 0.45
-            ax.broken_barh([(s.start - t0, max(s.end - s.start, 1e-3))], (base, h),
-                           facecolors=COLOURS.get(s.state, "#9e9e9e"), edgecolor="none")
+                base, h = (y - 0.05, 0.45) if split else (y - 0.4, 0.8)
+            bars.setdefault((s.state, base, h), []).append((s.start - t0, max(s.end - s.start, 1e-3)))
             used.add(s.state)
         for m in lane.marks:
-            sym, col = MARKS.get(m.kind, ("o", "k"))
-            ax.plot([m.t - t0], [y + 0.45], marker=sym, color=col, markersize=9, linestyle="none", clip_on=False)
+            xs, ys = points.setdefault(m.kind, ([], []))
+            xs.append(m.t - t0)
+            ys.append(y + 0.45)
             marks_used.add(m.kind)
-    for k, t in tl.boundaries:
-        ax.axvline(t - t0, color="0.55", linewidth=0.6, linestyle=":")
+    for (state, base, h), spans in bars.items():
+        ax.broken_barh(spans, (base, h), facecolors=COLOURS.get(state, "#9e9e9e"), edgecolor="none")
+    for kind, (xs, ys) in points.items():
+        sym, col = MARKS.get(kind, ("o", "k"))
+        ax.plot(xs, ys, marker=sym, color=col, markersize=9, linestyle="none", clip_on=False)
+    if tl.boundaries:  # one collection (axvline per boundary costs a line each)
+        ax.vlines([t - t0 for _, t in tl.boundaries], -0.7, n - 0.2, colors="0.55", linewidth=0.6, linestyle=":")
     if tl.boundaries:
         ticks = tl.boundaries if len(tl.boundaries) <= 30 else tl.boundaries[::max(1, len(tl.boundaries) // 30)]
         top = ax.secondary_xaxis("top")
@@ -64,7 +73,10 @@ def draw_timeline(tl: Timeline, out: Path, title: str = "") -> None:
     ax.set_title(title or f"{tl.strategy} timeline", fontsize=10)
 
     bx = fig.add_subplot(gs[1, 0])
-    if tl.bytes:
+    if len(tl.bytes) > 200:  # a long run: one collection of lines, not a patch per round (bar() costs ~4 ms each)
+        bx.vlines([k for k, _ in tl.bytes], 0, [b / 1e6 for _, b in tl.bytes], colors="#5c6bc0",
+                  linewidth=max(0.3, 600 / len(tl.bytes)))
+    elif tl.bytes:
         bx.bar([k for k, _ in tl.bytes], [b / 1e6 for _, b in tl.bytes], color="#5c6bc0")
     bx.set_xlabel("round" if tl.strategy == "diloco" else "generation")
     bx.set_ylabel("MB over BASE_DIR")
