@@ -31,7 +31,9 @@ Invariants, checked live (every committed round as it appears, from the backing 
       and momentum 0, so the replay is exact: Σ tokens·Δ in float64 in the coordinator's way; rounds pruned before
       the checker saw them are counted, not failed);
     - no data window read twice (the metrics rows' data slices);
-    - every rejected or missing delta has a reason in metrics; every bad delta is kept out of the average;
+    - every rejected or missing delta has a reason in metrics; the screen does what it says with every bad delta
+      (x100 is always rejected in a round of >= 3 on-time deltas; a flipped or noise delta when its cosine with the
+      others' mean is under outer.screen_min_cosine; what became of each is listed);
     - a frozen worker (SIGSTOP) or one whose mount hung catches up by itself, without a restart;
     - no traceback in any log;
     - RSS of the coordinator and of each worker grows at most 10% from round 100 (--quick: a quarter of the rounds)
@@ -232,6 +234,7 @@ class Soak:
         self.stack = contextlib.ExitStack()
         self.fill_path: Path | None = None
         self.tmpfs = False
+        self.bad_outcomes: list[str] = []
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -521,17 +524,37 @@ class Soak:
             for w, reason in (row.get("rejected") or {}).items():
                 if not reason:
                     violations.append(f"round {row['round']}: {w} rejected without a reason")
-        # bad deltas kept out
+        # bad deltas: the screen must do what it says (docs/protocol.md): x100 is rejected by the norm rule
+        # wherever a round has >= 3 on-time deltas; a flipped or noise delta only when its cosine with the others'
+        # mean was under outer.screen_min_cosine (with nearly orthogonal healthy deltas, late in training, a flip
+        # looks like any other: reported, not a violation)
         by_round = {row["round"]: row for row in rows}
+        oc = json.loads(self.cfg_path.read_text()).get("outer", {})
+        ratio, min_cos = float(oc.get("screen_norm_ratio", 5.0)), float(oc.get("screen_min_cosine", -0.5))
+        self.bad_outcomes = []
         for w, rr, bad in self.bad:
             row = by_round.get(rr + 1)
             if row is None:
                 continue
-            late_in = any(f"w{w:03d}@{rr}" == k for k in (row.get("data") or {}))
-            nxt = by_round.get(rr + 2) or {}
-            late_next = f"w{w:03d}@{rr}" in (nxt.get("data") or {})
-            if w in row.get("workers_used", []) or late_in or late_next:
-                violations.append(f"round {rr}: worker {w}'s bad delta ({bad}) was averaged in")
+            key = f"w{w:03d}"
+            seen = (row.get("screen") or {}).get(key) or {}
+            late = key + f"@{rr}" in (row.get("data") or {}) or key + f"@{rr}" in ((by_round.get(rr + 2) or {})
+                                                                                   .get("data") or {})
+            if key in (row.get("rejected") or {}):
+                self.bad_outcomes.append(f"round {rr}, worker {w}, {bad}: rejected ({row['rejected'][key]})")
+                continue
+            if w not in row.get("workers_used", []) and not late:
+                self.bad_outcomes.append(f"round {rr}, worker {w}, {bad}: not in the round ({key} missing)")
+                continue
+            screened = len(row.get("screen") or {}) >= 3 and not late
+            catchable = screened and (float(seen.get("norm_ratio", 1.0)) > ratio or 1 / max(
+                float(seen.get("norm_ratio", 1.0)), 1e-12) > ratio or float(seen.get("cos", 1.0)) < min_cos)
+            what = (f"averaged in{' (late: not screened)' if late else ''}: the screen saw norm ratio "
+                    f"{seen.get('norm_ratio', '-')}, cosine {seen.get('cos', '-')}")
+            self.bad_outcomes.append(f"round {rr}, worker {w}, {bad}: {what}")
+            if catchable or (bad == "scale" and screened):
+                violations.append(f"round {rr}: worker {w}'s bad delta ({bad}) was averaged in although the screen "
+                                  f"saw norm ratio {seen.get('norm_ratio')} and cosine {seen.get('cos')}")
         # tracebacks
         logs = sorted((self.out / "logs").glob("*.log")) + sorted((self.run / "logs").glob("*.log"))
         tb = [p.name for p in logs if "Traceback (most recent call last)" in p.read_text(errors="replace")]
@@ -710,6 +733,7 @@ class Soak:
                 f"- deltas rejected: {rej}, missing: {miss} (each with its reason in metrics.jsonl); bad deltas "
                 f"injected: {len(self.bad)}",
                 f"- final model: {final_ok}", "",
+                "Bad deltas, each with what became of it:", "", *[f"- {b}" for b in self.bad_outcomes], "",
                 "| process | RSS from the reference round to the end | open fds | span | verdict |",
                 "|---|---|---|---|---|", *res_lines, "",
                 "![RSS, fds and BASE_DIR size](soak.png)", "", "The run's timeline: ![timeline](timeline.png)", ""]
