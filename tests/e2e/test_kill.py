@@ -89,7 +89,7 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
                                                    "inner_steps": 5, "tokens": 100, "loss": 1.0, "sha256": sha,
                                                    "bytes": paths.delta_file(0, w).stat().st_size,
                                                    "data": {"segment": 0, "offset": off, "windows": n, "read": n}})
-    real = master_mod.outer_step_tensor
+    real = master_mod.outer_step_piece  # the no-codec step, piece by piece (train/exchange/master.py _step_full)
     calls = {"n": 0}
 
     def dying(*a, **k):
@@ -98,12 +98,12 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
             raise KeyboardInterrupt("simulated crash mid-commit")
         return real(*a, **k)
 
-    monkeypatch.setattr(master_mod, "outer_step_tensor", dying)
+    monkeypatch.setattr(master_mod, "outer_step_piece", dying)
     with pytest.raises(KeyboardInterrupt):
         co.run_round(0)
     assert paths.latest_committed() == 0 and not paths.committed(1).exists()
     assert not paths.global_dir(1).exists()
-    monkeypatch.setattr(master_mod, "outer_step_tensor", real)
+    monkeypatch.setattr(master_mod, "outer_step_piece", real)
     co.close()  # the crashed coordinator's process is gone, and its lock with it
 
     # A commit that wrote everything but the marker (killed just before it) is redone too.
