@@ -346,7 +346,11 @@ def test_a_resumed_coordinator_does_not_wait_the_startup_grace_for_a_worker_out_
     was_in.beat(force=True, status="training")
     was_in.stop("left")  # Ctrl-C of the whole run: every worker left, and comes back with the run
     m = Membership(paths, 3, outer(dead_after_s=10, startup_grace_s=120), clock)
-    m.out_before({1: "exited (status left)"})  # the last commit: worker 1 missing, workers 0 and 2 in
+    m.out_before({1: "exited (status left)"}, time.time() + 1)  # the last commit (after both left): worker 1 missing
+    m2 = Membership(paths, 3, outer(dead_after_s=10, startup_grace_s=120), clock)
+    m2.out_before({1: "exited (status left)"}, time.time() - 60)  # it left after the commit (a whole run stopped
+    hb(paths, 0).beat(force=True, status="training")                 # mid-round): still given the allowance
+    assert m2.poll({0}).missing[1].startswith("starting")
     hb(paths, 0).beat(force=True, status="training")
     d = m.poll({0})
     assert d.gone == {1: "out since before the coordinator started (exited (status left))"}

@@ -115,7 +115,7 @@ class Coordinator:
         self.membership = Membership(paths, self.expected(paths.latest_committed())[1], cfg.outer)
         self.membership.join_from = self.layout.last["slots"]
         if not fresh:
-            self.membership.out_before(self.missing_at(paths.latest_committed()))
+            self.membership.out_before(*self.missing_at(paths.latest_committed()))
         self.master = OuterMaster(paths, cfg.outer, cfg.outer.rounds)
         self.master.resume(paths.latest_committed())
         self.names = self.master.names
@@ -458,15 +458,16 @@ class Coordinator:
             log.info("logging the metrics of round %d, committed before the coordinator stopped", latest)
         self.log_record(dict(record))
 
-    def missing_at(self, r: int) -> dict[int, str]:
-        """The workers round r's commit record says were missing (a dead, left or late worker), with why."""
+    def missing_at(self, r: int) -> tuple[dict[int, str], float]:
+        """The workers round r's commit record says were missing (a dead, left or late worker), with why, and when
+        it was committed."""
         try:
             rec = read_json(self.paths.committed(r))
         except (OSError, ValueError):
-            return {}
+            return {}, 0.0
         why = rec.get("missing_why") or {}
-        return {int(w): str(why.get(f"w{int(w):03d}", why.get(str(w), "missing"))) for w in rec.get("missing") or []
-                if isinstance(w, int) or str(w).isdigit()}
+        return ({int(w): str(why.get(f"w{int(w):03d}", why.get(str(w), "missing"))) for w in rec.get("missing") or []
+                 if isinstance(w, int) or str(w).isdigit()}, float(rec.get("time") or 0.0))
 
     def _last_metrics(self) -> dict | None:
         recs = read_jsonl(self.paths.metrics)

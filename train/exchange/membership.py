@@ -192,24 +192,27 @@ class Membership:
             self.leases.pop(w, None)
         self.n = n
 
-    def out_before(self, missing: dict[int, str]) -> None:
+    def out_before(self, missing: dict[int, str], committed_at: float) -> None:
         """A resumed coordinator: the workers missing from the last committed round (with the reason it gave) whose
-        lease is final (left, exited), absent, or silent for dead_after_s were out before this process started;
+        lease is absent, or was last written before that round was committed (`committed_at`, wall clock) and is
+        final (left, exited) or silent for dead_after_s, were out before this process started;
         while their lease stays as it was they are gone at once, not waited for dead_after_s + startup_grace_s
         (that allowance is for processes starting with the run: after a whole run is stopped and started again,
         its workers were in the last round). A worker that beats again is judged as any other from then on."""
         for w, why in missing.items():
             ls = self.leases.get(w)
             rec = (ls.record or {}) if ls is not None else {}
-            stale = time.time() - float(rec.get("time") or 0) >= self.dead_after_s  # (wall clock: the lease's own)
-            if ls is not None and (not rec or rec.get("status") in GONE_STATUSES or stale):
+            t = float(rec.get("time") or 0)  # (wall clock: the lease's own)
+            stale = time.time() - t >= self.dead_after_s
+            if ls is not None and (not rec or (t < committed_at and (rec.get("status") in GONE_STATUSES or stale))):
                 ls.out_before = why
 
     def state(self, w: int, now: float) -> tuple[str, str]:
         """("alive" | "starting" | "gone", reason) of worker w as of the last observe()."""
         ls = self.leases[w]
         if not ls.current and ls.out_before is not None:
-            return "gone", f"out since before the coordinator started ({ls.out_before})"
+            prefix = "out since before the coordinator started"
+            return "gone", ls.out_before if ls.out_before.startswith(prefix) else f"{prefix} ({ls.out_before})"
         if not ls.current:
             limit = self.dead_after_s + self.startup_grace_s
             age = now - ls.changed  # since we started watching it
