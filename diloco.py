@@ -42,4 +42,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     from train.core.errors import run_main
-    run_main(main, "coordinator")
+    run_main(main, "coordinator", fast_exit=True)

@@ -22,4 +22,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     from train.core.errors import run_main
-    run_main(main, "diloco_sim")
+    run_main(main, "diloco_sim", fast_exit=True)

@@ -44,4 +44,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     from train.core.errors import run_main
-    run_main(main, "edt-coordinator")
+    run_main(main, "edt-coordinator", fast_exit=True)

@@ -79,7 +79,8 @@ def main(spec_path: str, worker: int) -> int:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's own store
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=spec["pg_timeout_s"])), load_state_dict=load_state_dict,
-        state_dict=state_dict, min_replica_size=1, use_async_quorum=False, replica_id=f"peer_{worker}",
+        state_dict=state_dict, min_replica_size=spec.get("min_replicas", 1), use_async_quorum=False,
+        replica_id=f"peer_{worker}",
         store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1, lighthouse_addr=spec["lighthouse"],
         hostname="127.0.0.1", timeout=timedelta(seconds=spec["pg_timeout_s"]),
         quorum_timeout=timedelta(seconds=spec["quorum_timeout_s"]), init_sync=False)

@@ -71,4 +71,4 @@ worker_mod.write_delta = write_delta
 
 if __name__ == "__main__":
     from train.core.errors import run_main
-    run_main(worker_mod.main, "worker", background_log=True)
+    run_main(worker_mod.main, "worker", background_log=True, fast_exit=True)

@@ -257,20 +257,41 @@ class DatasetGenerationError(Exception):  # what `datasets` wraps a failed cache
     __module__ = "datasets.builder"
 
 
-@pytest.mark.skip(reason="open (stop 40): since outer.disk_full_wait_s (#33) an ENOSPC is waited out first (up to "
-                         "an hour); this test must set a short wait and expect the DiskFull line past it")
 @pytest.mark.parametrize("wrapped", [False, True])
-def test_a_disk_error_building_the_token_cache_is_one_line(tmp_path, monkeypatch, wrapped):
-    from train.core import data
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_disk_error_building_the_token_cache_is_one_line(tmp_path, monkeypatch, wrapped, code):
+    """A full disk is waited out (outer.disk_full_wait_s, here 0.2 s), then one DiskFull line that names the token
+    cache's folder and says to free space and rerun; any other disk error (read-only) is one line at once. Also when
+    `datasets` wrapped the OSError into its own error (raise ... from e)."""
+    from train.core import data, sharedfs
 
-    def full(*a, **k):
-        e = OSError(errno.ENOSPC, "No space left on device")  # a write() fails without a file name
+    calls = []
+
+    def failing(*a, **k):
+        calls.append(1)
+        e = OSError(code, os.strerror(code))  # a write() fails without a file name
         if not wrapped:
             raise e
         raise DatasetGenerationError("An error occurred while generating the dataset") from e
 
-    monkeypatch.setattr(data, "build_token_cache", full)
-    cfg = load_config(REPO / "evolution.json", [f"base_dir={tmp_path}", "data.fake_data=true"])
-    with pytest.raises(EnvironmentProblem, match=r"cannot build the token cache there: No space left on device\. "
-                                                 r"Check that base_dir is on a writable disk with space"):
-        data.prepare_data(cfg, None, 256, progress=False)
+    monkeypatch.setattr(data, "build_token_cache", failing)
+    monkeypatch.setattr(sharedfs, "DISK_FULL_POLL_S", 0.05)
+    monkeypatch.setattr(sharedfs, "_full_since", None)  # this process's disk-full episode: restored after the test
+    cfg = load_config(REPO / "evolution.json", [f"base_dir={tmp_path}", "data.fake_data=true",
+                                                "outer.disk_full_wait_s=0.2"])
+    sharedfs.configure_from(cfg.outer)
+    try:
+        if code == errno.ENOSPC:
+            with pytest.raises(sharedfs.DiskFull) as ei:
+                data.prepare_data(cfg, None, 256, progress=False)
+            msg = str(ei.value)
+            assert "BASE_DIR stayed full" in msg and "outer.disk_full_wait_s = 0.2" in msg, msg
+            assert str(cfg.run_dir / "data") in msg and "run the same command again" in msg, msg
+            assert len(calls) >= 2  # tried again while it waited
+        else:
+            with pytest.raises(EnvironmentProblem, match=r"cannot build the token cache there: Read-only file system"
+                                                         r"\. Check that base_dir is on a writable disk with space"):
+                data.prepare_data(cfg, None, 256, progress=False)
+            assert len(calls) == 1
+    finally:
+        sharedfs.configure(sharedfs.RETRY_S, sharedfs.DISK_FULL_WAIT_S)

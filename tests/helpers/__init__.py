@@ -14,11 +14,16 @@ starts (conftest.py sets it up for the session; see its docstring).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
 TEST_THREADS = int(os.environ.get("EDT_TEST_THREADS") or 1)
+# data.cache_dir of tiny_config: the shipped corpus is tokenized once per machine and copied into each test's run
+# (about 2 s of CPU per coordinator start saved). EDT_TEST_TOKEN_CACHE= (empty) tokenizes in every run.
+TOKEN_CACHE = os.environ.get("EDT_TEST_TOKEN_CACHE",
+                             os.path.join(tempfile.gettempdir(), f"edt-test-token-cache-{os.getuid()}"))
 if TEST_THREADS < 1:
     raise ValueError(f"EDT_TEST_THREADS = {TEST_THREADS}: must be >= 1")
 
@@ -32,14 +37,14 @@ def pin_threads() -> None:
 
 def tiny_config(base_dir: Path, **sections) -> dict:
     """A run config for tests: micro Llama (~38k params), short windows, 1 thread, fast polling, no plots
-    (matplotlib costs each finished run ~1.5 s of CPU)."""
+    (matplotlib costs each finished run ~1.5 s of CPU), the machine's shared token cache (TOKEN_CACHE)."""
     cfg = {
         "project_name": "t",
         "base_dir": str(base_dir),
         "seed": 0,
         "model": {"name": str(REPO / "configs" / "micro-llama.json"), "tokenizer": str(REPO / "data" / "tokenizer")},
         "data": {"dataset": str(REPO / "data" / "corpus"), "seq_length": 32, "eval_fraction": 0.02,
-                 "max_tokens": 200_000},
+                 "max_tokens": 200_000, "cache_dir": TOKEN_CACHE},
         "inner": {"lr": 3e-3, "warmup_steps": 2, "per_device_batch_size": 8, "total_batch_size": 8,
                   "threads": 1, "device": "cpu"},
         # straggler_factor 0: a round waits for every live worker, so that which deltas a round uses never depends

@@ -140,13 +140,14 @@ def coordinator_pid(paths) -> int:
 
 def kill_and_await_restart(paths, w: int, kill, sim: subprocess.Popen, timeout: float = 120):
     """kill() (it SIGKILLs worker w, or its supervisor) while the coordinator is held (SIGSTOP), and hold it until
-    the restarted worker w has resumed from its state (its log's "resumed worker state"); returns what kill()
+    the restarted worker w is up again (its log's start line, written after it loaded its state); returns what kill()
     returned. Without the hold, the surviving workers can finish the run before the restart is up (the coordinator
     rightly goes on without a dead worker): the restart is the event, not the survivors' speed."""
     log = paths.worker_log(w)
-    before = log.read_text().count("resumed worker state") if log.is_file() else 0
+    started = "training windows of"  # the worker's start line, after restore_state (train/diloco/worker.py)
+    before = log.read_text().count(started) if log.is_file() else 0
     with held(coordinator_pid(paths)):
         victim = kill()
-        wait_until(lambda: log.read_text().count("resumed worker state") > before, timeout,
+        wait_until(lambda: log.read_text().count(started) > before, timeout,
                    f"worker {w} restarted and resumed", sim)
     return victim

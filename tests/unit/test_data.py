@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from train.core.model import build_model, load_tokenizer
 def corpus(tmp_path_factory):
     """The embedded corpus, tokenized (capped by data.max_tokens to stay fast)."""
     base = tmp_path_factory.mktemp("corpus")
-    cfg = build_config(tiny_config(base / "runs", data={"max_tokens": 20_000}))
+    cfg = build_config(tiny_config(base / "runs", data={"max_tokens": 20_000, "cache_dir": ""}))  # tokenized here
     tok = load_tokenizer(cfg)
     out = prepare_data(cfg, tok, 2048, progress=False)
     return cfg, tok, out
@@ -73,7 +74,7 @@ def test_documents_are_joined_with_eos(tmp_path):
     docs.mkdir()
     (docs / "a.txt").write_text("To be, or not to be, that is the question.")
     (docs / "b.txt").write_text("Now is the winter of our discontent.")
-    cfg = build_config(tiny_config(tmp_path / "runs", data={"dataset": str(docs), "max_tokens": 0}))
+    cfg = build_config(tiny_config(tmp_path / "runs", data={"dataset": str(docs), "max_tokens": 0, "cache_dir": ""}))
     tok = load_tokenizer(cfg)
     out = prepare_data(cfg, tok, 2048, progress=False)
     data = TokenData.open(out, 4, 0.1)
@@ -83,9 +84,56 @@ def test_documents_are_joined_with_eos(tmp_path):
         want += tok((docs / name).read_text(), add_special_tokens=False)["input_ids"] + [eos]
     assert data.tokens.tolist() == want
     # another max_tokens is another cache (never a stale one)
-    cfg2 = build_config(tiny_config(tmp_path / "runs", data={"dataset": str(docs), "max_tokens": 5}))
+    cfg2 = build_config(tiny_config(tmp_path / "runs", data={"dataset": str(docs), "max_tokens": 5, "cache_dir": ""}))
     out2 = prepare_data(cfg2, tok, 2048, progress=False)
     assert out2 != out and TokenData.open(out2, 4, 0.1).tokens.tolist() == want[:5]
+
+
+def test_a_shared_cache_dir_tokenizes_once_and_every_run_gets_its_own_copy(tmp_path, monkeypatch):
+    """data.cache_dir: the first run tokenizes and leaves the cache there; a second run with the same data copies it
+    (no tokenizing: build_token_cache would fail) into its own data/ folder, byte for byte; other data is another
+    key; a cache_dir that cannot be written costs a warning, not the run."""
+    from train.core import data as data_mod
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("To be, or not to be, that is the question. " * 20)
+    shared = tmp_path / "shared"
+
+    def cfg_for(run: str, **extra):
+        return build_config(tiny_config(tmp_path / run, data={"dataset": str(docs), "max_tokens": 0,
+                                                              "cache_dir": str(shared), **extra}))
+
+    cfg = cfg_for("one")
+    tok = load_tokenizer(cfg)
+    first = prepare_data(cfg, tok, 2048, progress=False)
+    kept = shared / first.name
+    assert sorted(p.name for p in kept.iterdir()) == ["meta.json", "tokens.bin"]  # no temp files left
+    assert (kept / "tokens.bin").read_bytes() == (first / "tokens.bin").read_bytes()
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized again although data.cache_dir holds the cache")
+
+    monkeypatch.setattr(data_mod, "build_token_cache", no_tokenizing)
+    second = prepare_data(cfg_for("two"), tok, 2048, progress=False)
+    assert second.parent == tmp_path / "two" / "t" / "data" and second.name == first.name
+    assert (second / "tokens.bin").read_bytes() == (first / "tokens.bin").read_bytes()
+    assert json.loads((second / "meta.json").read_text()) == json.loads((first / "meta.json").read_text())
+    with pytest.raises(AssertionError, match="tokenized again"):  # other max_tokens: another key, tokenized
+        prepare_data(cfg_for("three", max_tokens=7), tok, 2048, progress=False)
+    monkeypatch.undo()
+    shared.chmod(0o500)
+    try:
+        cfg4 = cfg_for("four", max_tokens=9)
+        if os.access(shared, os.W_OK):  # root writes anyway: make the folder a file instead
+            shared.chmod(0o700)
+            cfg4 = build_config(tiny_config(tmp_path / "four", data={"dataset": str(docs), "max_tokens": 9,
+                                                                     "cache_dir": str(docs / "a.txt")}))
+        out = prepare_data(cfg4, tok, 2048, progress=False)
+        assert TokenData.open(out, 4, 0.1).tokens.tolist() == tok((docs / "a.txt").read_text(),
+                                                                  add_special_tokens=False)["input_ids"][:9]
+    finally:
+        shared.chmod(0o700)
 
 
 def test_fake_data_is_seeded_and_in_vocab(tmp_path, fake):

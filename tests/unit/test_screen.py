@@ -10,7 +10,7 @@ import torch
 from train.exchange.screen import MIN_DELTAS, DeltaStats, decide, stride_for
 
 
-def _round(deltas: list[torch.Tensor], weights=None, ratio=5.0, min_cos=-0.5, shapes=None):
+def _round(deltas: list[torch.Tensor], weights=None, ratio=5.0, min_cos=-0.5, shapes=None, fresh=frozenset()):
     """decide() on deltas given as flat tensors, through DeltaStats (as the accumulators feed it)."""
     shapes = shapes or {"a": (deltas[0].numel(),)}
     st = DeltaStats(shapes)
@@ -22,7 +22,7 @@ def _round(deltas: list[torch.Tensor], weights=None, ratio=5.0, min_cos=-0.5, sh
             pos += k
     keys = list(range(len(deltas)))
     return decide(keys, [math.sqrt(st.norm2[k]) for k in keys], st.gram(keys), weights or [1.0] * len(keys),
-                  ratio, min_cos)
+                  ratio, min_cos, fresh)
 
 
 def _healthy(n: int, size: int = 2000, corr: float = 0.5, seed: int = 0) -> list[torch.Tensor]:
@@ -58,6 +58,22 @@ def test_one_bad_delta_among_healthy_ones_is_the_one_rejected(seed, bad):
     assert set(rejected) == {i}, (rejected, info)
     assert ("norm" in rejected[i]) == (bad != "flipped") and ("cosine" in rejected[i]) == (bad == "flipped")
     assert "outer.screen_" in rejected[i]
+
+
+@pytest.mark.parametrize("scale", [6.5, 1 / 6.5])
+def test_a_delta_from_fresh_moments_gets_a_wider_norm_band_but_x100_is_still_rejected(scale):
+    """A joiner's first delta (fresh AdamW moments, its sidecar's fresh_moments) was 6.5x the median of 2 established
+    workers' in a real run: rejected without the slack, kept with it; x100 stays out either way."""
+    from train.exchange.screen import FRESH_SLACK
+
+    d = _healthy(3, corr=0.8)
+    d[2] = d[2] * scale
+    assert set(_round(d)[0]) == {2}
+    rejected, info = _round(d, fresh={2})
+    assert rejected == {} and info[2]["fresh_moments"] is True
+    d[2] = d[2] / scale * 100
+    rejected, _ = _round(d, fresh={2})
+    assert set(rejected) == {2} and f"x {FRESH_SLACK:g}, fresh moments" in rejected[2]
 
 
 def test_two_deltas_are_never_screened():

@@ -65,6 +65,9 @@ class DataConfig:
     max_tokens: int = doc(0, "Stop tokenizing after this many tokens; 0 = all (hub datasets stream until it).")
     fake_data: bool = doc(False, "Random tokens instead of a dataset (smoke tests; like OpenDiLoCo's --fake-data).")
     fake_tokens: int = doc(1_000_000, "How many random tokens `fake_data` generates.")
+    cache_dir: str = doc("", "A folder of token caches shared by runs (~ expanded): a run whose data, tokenizer and "
+                             "max_tokens match a cache there copies it instead of tokenizing again, and leaves its own "
+                             "there for the next. Empty: each run tokenizes into its own data/ folder.")
 
     def validate(self, p: str) -> None:
         check_range(self, p, "seq_length", 2)

@@ -15,7 +15,10 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
+import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,8 @@ from train.core import sharedfs
 from train.core.errors import DataError, EnvironmentProblem, NotFound, TimedOut, UserError
 from train.config import RunConfig
 from train.core.store import atomic_write_json, read_json, wait_for
+
+log = logging.getLogger("data")
 
 LOCAL_EXTS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -262,6 +267,10 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int, progress: bool = Tr
     """Build the token cache if missing (coordinator); returns its folder."""
     key = cache_key(cfg, tokenizer_fingerprint(tokenizer) if tokenizer is not None else "none", vocab_size)
     out = cfg.run_dir / "data" / key
+    shared = Path(os.path.expanduser(cfg.data.cache_dir)) / key if cfg.data.cache_dir else None
+    if not sharedfs.exists(out / "meta.json") and shared is not None and sharedfs.exists(shared / "meta.json"):
+        _copy_cache(shared, out)  # data.cache_dir: tokenized before, by this or another run
+        log.info("token cache %s copied from data.cache_dir (%s)", key, shared.parent)
     if not sharedfs.exists(out / "meta.json"):
         # tokenizing calls into `datasets`, whose cache lives on BASE_DIR too: a transient shared-disk error in there
         # starts the (idempotent: temp file + rename) build again rather than ending the run
@@ -280,7 +289,22 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int, progress: bool = Tr
                 f"{out}: cannot build the token cache there: {err.strerror or err}{where}. Check that base_dir is on "
                 f"a writable disk with space: the token cache and the dataset's own cache "
                 f"({cfg.run_dir / 'data' / 'hf_cache'}) live there") from e
+        if shared is not None and not sharedfs.exists(shared / "meta.json"):
+            try:
+                _copy_cache(out, shared)
+            except OSError as e:  # the shared cache is a convenience: the run has its own copy
+                log.warning("could not leave the token cache in data.cache_dir (%s): %s", shared, e)
     return out
+
+
+def _copy_cache(src: Path, dst: Path) -> None:
+    """Copy a complete token cache (tokens.bin, then meta.json last: what marks it complete), each file atomically,
+    so that a reader, or two runs copying at once, never see half of one."""
+    sharedfs.makedirs(dst)
+    for name in ("tokens.bin", "meta.json"):
+        tmp = dst / f".{name}.tmp-{os.getpid()}-{threading.get_ident()}"
+        sharedfs.retry("copy the token cache to", tmp, lambda: shutil.copyfile(src / name, tmp))
+        sharedfs.replace(tmp, dst / name)
 
 
 def _disk_error(e: BaseException) -> OSError | None:

@@ -74,6 +74,7 @@ class Coordinator:
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
         self.evals = OneSlot("evaluate")  # a committed round's evaluation and metrics record, off the critical path
+        self._last_rec: dict | None = None  # the last record logged (read from metrics.jsonl once, on a resume)
         # outer.overlap (docs/overlap.md); the coordinator asks it how far past the latest commit workers may train
         self.overlap = for_config(cfg.outer)
         self.lease = NO_LEASE  # its lease (train/core/coordinator_lease.py), started by setup() once it holds the lock
@@ -438,6 +439,7 @@ class Coordinator:
                 log.info("round %d: eval loss %.4f%s", k, eval_loss, " (the initial model)" if k == 0 else "")
             record.update(eval_loss=eval_loss, eval_s=round(time.perf_counter() - t, 3))
             self.logger.log(record)
+            self._last_rec = record
 
         self.evals.submit(job)
 
@@ -470,8 +472,12 @@ class Coordinator:
                  if isinstance(w, int) or str(w).isdigit()}, float(rec.get("time") or 0.0))
 
     def _last_metrics(self) -> dict | None:
-        recs = read_jsonl(self.paths.metrics)
-        return recs[-1] if recs else None
+        """The last metrics record (its cumulative tokens and steps): kept from the last log, read from the file only
+        the first time (a resume). Re-reading metrics.jsonl every round cost O(rounds x workers) before each commit."""
+        if self._last_rec is None:
+            recs = read_jsonl(self.paths.metrics)
+            self._last_rec = recs[-1] if recs else None
+        return self._last_rec
 
     def cleanup(self, latest: int) -> None:
         """Delete rounds older than the last `keep_rounds` committed ones (θ_0 stays: it is the run's template)."""

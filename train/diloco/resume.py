@@ -22,7 +22,7 @@ log = logging.getLogger("worker")  # the worker's log
 
 class ResumeState:
     """Needs the Worker's cfg, paths, w, dist, device, trainer, sampler, state, residual, theta, overlap, snap (a
-    OneSlot), count_io and train_round."""
+    OneSlot), fresh_moments, count_io and train_round."""
 
     @property
     def state_dir(self) -> Path:
@@ -39,6 +39,9 @@ class ResumeState:
         st.setdefault("opt_round", st["round_done"])
         if "opt_file" not in st:
             st["opt_round"] = st["round_done"]
+            if st["round_done"] >= 0:  # killed before its first snapshot was written
+                log.info("resumed worker state: last round done %d, no optimizer snapshot yet (fresh AdamW moments), "
+                         "inner step %d", st["round_done"], self.trainer.step)
             return
         f = self.state_dir / st["opt_file"]
         present = broadcast_json(f.is_file() if self.dist.main else None, self.dist, self.device)
@@ -51,6 +54,7 @@ class ResumeState:
             st["opt_round"] = st["round_done"]
             return
         self.load_optimizer(f, st.get("opt_extra", st))
+        self.fresh_moments = False
         if self.dist.main and (self.residual is not None or self.overlap.trains_ahead):
             saved = dict(iter_tensors(f))
             if self.residual is not None:

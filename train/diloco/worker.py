@@ -141,6 +141,7 @@ class Worker(ResumeState):
         self._layout_cache: tuple | None = None  # ((inode, mtime, size) of layout.json, its Layout)
         self.io = {"read": 0, "written": 0}  # BASE_DIR bytes of the current round (into the next sidecar)
         self._io_lock = threading.Lock()
+        self.fresh_moments = True  # no inner optimizer moments yet (restore_state loads them on a restart)
         self.restore_state()
         self.sampler = StreamSampler(self.data, cfg.seed)
         self.batches = RankBatches(self.sampler, self.dist, cfg.inner.total_batch_size) if self.dist.enabled \
@@ -294,6 +295,8 @@ class Worker(ResumeState):
         its H inner steps on our slice of round r's data, hand the delta over."""
         H = self.cfg.outer.local_steps_at(r)
         seg = self.overlap.begin(self, r, H, replay)  # the model at the segment's start; what Δ is taken against
+        # fresh moments this segment (not the reset_state variant, where every worker's are): the sidecar says so
+        fresh, self.fresh_moments = self.fresh_moments and not self.cfg.inner.reset_state, False
         data, stats = self.train_segment(r, H, seg, replay)
         fields = seg.end(stats)  # (a fold not done yet comes in now)
         if self.dist.enabled:
@@ -308,7 +311,7 @@ class Worker(ResumeState):
                  stats["tokens"] / max(stats["seconds"], 1e-9), " (replay)" if replay else "")
         meta = {"inner_steps": H, "tokens": stats["tokens"], "loss": stats["loss"], "last_loss": stats["last_loss"],
                 "train_seconds": stats["seconds"], "load_seconds": seg.load_s, "processes": self.dist.world,
-                "trained_at": time.time(), **fields}
+                "trained_at": time.time(), **fields, **({"fresh_moments": True} if fresh else {})}
         self.overlap.hand_off(self, r, seg.base, params, opt_tensors, meta, data, replay)
 
     def train_segment(self, r: int, H: int, seg, replay: bool) -> tuple[dict, dict]:
@@ -422,4 +425,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from train.core.errors import run_main
-    run_main(main, "worker", background_log=True)
+    run_main(main, "worker", background_log=True, fast_exit=True)

@@ -247,4 +247,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from train.core.errors import run_main
-    run_main(main, "edt-worker", background_log=True)
+    run_main(main, "edt-worker", background_log=True, fast_exit=True)

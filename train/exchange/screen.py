@@ -5,7 +5,10 @@ A round's deltas are screened as a set once the round closes, so the decision de
 never on the order they arrived in:
 
 - **norm**: a delta whose L2 norm is over `ratio` x the median norm of the round's deltas, or under 1 / `ratio` x
-  (outer.screen_norm_ratio, default 5);
+  (outer.screen_norm_ratio, default 5). A delta trained from fresh inner optimizer moments (its sidecar's
+  `fresh_moments`: a worker that joined, or restarted without its moments) gets FRESH_SLACK x that band: AdamW's
+  first steps move every parameter by about the lr, so its delta is legitimately larger (6.5x the median was seen
+  for a 5-step joiner), while a x100 corruption is still far outside;
 - **direction**: then, among the deltas the norm check kept (at least MIN_DELTAS of them), a delta whose cosine with
   the weighted mean of the others is below `min_cos` (outer.screen_min_cosine, default -0.5).
 
@@ -29,6 +32,7 @@ import torch
 SAMPLE = 1 << 20   # sampled values kept per delta for the cosines (exact below this many parameters)
 MIN_DELTAS = 3     # the screen applies where a round has at least this many deltas
 STREAK = 3         # a worker screened out this many rounds in a row is reported (coordinator log and metrics)
+FRESH_SLACK = 4.0  # the norm band is this much wider for a delta trained from fresh optimizer moments
 
 
 def _is_prime(n: int) -> bool:
@@ -87,10 +91,11 @@ class DeltaStats:
 
 
 def decide(keys: list, norms: list[float], gram: list[list[float]], weights: list[float], ratio: float,
-           min_cos: float) -> tuple[dict, dict]:
+           min_cos: float, fresh: set | frozenset = frozenset()) -> tuple[dict, dict]:
     """The screen's verdict on one round: ({key: reason} of the rejected, {key: {norm_ratio, cos}} of everyone).
     `norms[i]`: delta i's exact L2 norm; `gram[i][j]`: the dot product of deltas i and j (of their samples);
-    `weights[i]`: its weight in the mean (tokens). Fewer than MIN_DELTAS deltas: nothing is screened."""
+    `weights[i]`: its weight in the mean (tokens); `fresh`: the keys trained from fresh optimizer moments (their norm
+    band is FRESH_SLACK x wider). Fewer than MIN_DELTAS deltas: nothing is screened."""
     info: dict = {k: {} for k in keys}
     if len(keys) < MIN_DELTAS:
         return {}, info
@@ -99,12 +104,15 @@ def decide(keys: list, norms: list[float], gram: list[list[float]], weights: lis
     for k, n in zip(keys, norms):
         q = n / med if med > 0 else (1.0 if n == 0 else math.inf)
         info[k]["norm_ratio"] = round(q, 4)
-        if q > ratio:
+        band, why = (ratio * FRESH_SLACK, f" x {FRESH_SLACK:g}, fresh moments") if k in fresh else (ratio, "")
+        if k in fresh:
+            info[k]["fresh_moments"] = True
+        if q > band:
             rejected[k] = f"screen: norm {n:.4g} is {q:.3g}x the round's median {med:.4g} (over " \
-                          f"outer.screen_norm_ratio = {ratio:g})"
-        elif q < 1 / ratio:
+                          f"outer.screen_norm_ratio = {ratio:g}{why})"
+        elif q < 1 / band:
             rejected[k] = f"screen: norm {n:.4g} is {q:.3g}x the round's median {med:.4g} (under 1 / " \
-                          f"outer.screen_norm_ratio = {1 / ratio:.3g})"
+                          f"outer.screen_norm_ratio = {1 / ratio:.3g}{why})"
     kept = [i for i, k in enumerate(keys) if k not in rejected]
     if len(kept) < MIN_DELTAS:
         return rejected, info
@@ -130,8 +138,9 @@ def screen_round(acc, ratio: float, min_cos: float) -> tuple[dict[int, str], dic
         return {}, {}
     keys = sorted(w for w in acc.workers if w in st.norm2)
     norms = [math.sqrt(st.norm2[w]) for w in keys]
+    fresh = {w for w in keys if (acc.metas.get(w) or {}).get("fresh_moments")}
     rejected, info = decide(keys, norms, st.gram(keys) if len(keys) >= MIN_DELTAS else [],
-                            [acc.weights[w] for w in keys], ratio, min_cos)
+                            [acc.weights[w] for w in keys], ratio, min_cos, fresh)
     if rejected:
         acc.drop(set(rejected))
     return rejected, {f"w{w:03d}": v for w, v in info.items() if v}
