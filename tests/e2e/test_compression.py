@@ -102,7 +102,7 @@ def test_int8_run_keeps_one_theta_checkpoints_load_and_host_local_state(tmp_path
 # eager covers the synchronous replay too (the same coordinator and worker replays, plus the overlap's threads);
 # the plain protocol's random kills are tests/e2e/test_kill.py's
 @pytest.mark.timeout(600)  # a reference run, up to 2 killed runs and the rerun
-@pytest.mark.parametrize("overlap", ["eager", "topk-eager"])
+@pytest.mark.parametrize("overlap", ["eager", pytest.param("topk-eager", marks=pytest.mark.long)])
 def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     """Coordinator replay (momentum, residual from the deltas since the checkpoint) and worker replay (rounds whose
     state snapshot was lost) give the uninterrupted run's model, bit for bit; with overlap too, where the delta, the
@@ -251,6 +251,8 @@ def test_pruning_keeps_every_kept_round_buildable_from_a_checkpoint(tmp_path):
         fresh.advance_to(3)
 
 
+# the long tier (python -m pytest -m long; CI runs it): the int8 delayed-overlap kill test is the default tier's
+@pytest.mark.long
 def test_topk_delayed_overlap_with_a_worker_killed_and_restarted_completes(tmp_path):
     """The sparse exchange composed (docs/compression.md#sparse-exchange-topk): top-k deltas that every copy of θ
     sums itself + the one-round-delayed outer step; a worker is SIGKILLed mid-run, the simulator restarts it, it

@@ -201,6 +201,9 @@ def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path, write_confi
 # -- EDT: a slot whose job keeps failing is refilled by selection ----------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
+# the long tier (python -m pytest -m long; CI runs it): EDT under a kill: test_edt_e2e's coordinator-and-worker kill is
+# the default tier's
+@pytest.mark.long
 def test_edt_slot_refilled_by_selection_when_its_job_is_abandoned(tmp_path, write_config):
     """Population 2 on 2 workers, edt.max_attempts = 1: SIGKILL the worker that holds m001 in generation 0. The
     coordinator sees its process gone, the job is abandoned once, and slot m001 becomes a copy of m000 (the only

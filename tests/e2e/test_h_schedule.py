@@ -41,6 +41,9 @@ def test_h_schedule_trains_each_round_its_h_and_reads_no_window_twice(write_conf
 
 
 @pytest.mark.timeout(600)  # up to 3 killed runs and the rerun
+# the long tier (python -m pytest -m long; CI runs it): the schedule: the test above; random kills: test_kill.py's
+# simulator kills
+@pytest.mark.long
 def test_h_schedule_run_killed_at_random_moments_resumes_and_reads_no_window_twice(write_config, tmp_path):
     """SIGKILL the simulator (coordinator + workers) at random moments of a run whose H changes, with the delayed
     outer step; the same command finishes it, every round trained for its H, no window read twice."""

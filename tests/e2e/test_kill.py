@@ -31,6 +31,9 @@ def _check_finished(paths: DiLoCoPaths, rounds: int, workers: int, H: int, batch
     assert recs[rounds]["tokens"] == rounds * workers * H * batch * seq
 
 
+# the long tier (python -m pytest -m long; CI runs it): kills mid-round: the simulator kills at random moments below are
+# the default tier's
+@pytest.mark.long
 def test_sigkill_worker_mid_round_then_rerun_finishes(write_config, tmp_path):
     cfg = write_config(outer={"rounds": 3, "local_steps": 400})  # rounds of a few seconds: room to aim
     paths = DiLoCoPaths(tmp_path / "runs" / "t")
@@ -172,7 +175,8 @@ def test_coordinator_killed_between_commit_and_metrics_logs_the_round_on_resume(
     co3.close()
 
 
-@pytest.mark.parametrize("moved", [False, True], ids=["before-the-move", "before-the-sidecar"])
+@pytest.mark.parametrize("moved", [False, pytest.param(True, marks=pytest.mark.long)],
+                         ids=["before-the-move", "before-the-sidecar"])
 def test_restart_between_resume_point_and_publication_publishes_first_with_overlap(write_config, tmp_path, moved):
     """A worker killed after writing its resume point (state.json: round r done) but before its Δ_r was published
     (still in its pending file, or moved into the round but without the sidecar that marks it complete): the

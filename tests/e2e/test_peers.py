@@ -20,6 +20,9 @@ LINE = re.compile(r"^peers: torchft (\d+\.\d+) s/round loss (\d+\.\d+); edt (\d+
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+# the long tier (python -m pytest -m long; CI runs it): the torchft side-by-side bench (bench/peers.py), minutes of
+# torchft start-ups
+@pytest.mark.long
 def test_two_rounds_same_loss_in_both(tmp_path):
     out = tmp_path / "peers.json"
     p = subprocess.run([sys.executable, str(REPO / "bench" / "peers.py"), "--workers", "2", "--outer", "nesterov",

@@ -273,6 +273,9 @@ def test_stop_makes_every_process_leave(slurm, tmp_path):
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
+# the long tier (python -m pytest -m long; CI runs it): Slurm restarts: the cancelled-step DiLoCo test is the default
+# tier's
+@pytest.mark.long
 def test_edt_run_resumes_after_a_requeue_and_finishes(slurm, tmp_path):
     r = Run(slurm, tmp_path, data=SMALL_DATA, edt={"max_generations": 10})
     try:

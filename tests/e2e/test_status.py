@@ -58,6 +58,9 @@ def _left_behind(paths: DiLoCoPaths, w: int, start: int, rounds: int) -> int | N
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
+# the long tier (python -m pytest -m long; CI runs it): the views: the test below; kills and stragglers:
+# test_elastic.py's
+@pytest.mark.long
 def test_a_killed_worker_and_a_straggler_in_the_timeline_and_the_status_view(tmp_path, write_config):
     R = 8
     cfg = write_config(outer={"num_workers": 3, "rounds": R, "local_steps": 60, "dead_after_s": 2,

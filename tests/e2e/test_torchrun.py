@@ -110,6 +110,9 @@ def _run(tmp_path, name: str, rounds: int = 2, **inner) -> DiLoCoPaths:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
+# the long tier (python -m pytest -m long; CI runs it): a torchrun worker group: test_train_fsdp_cli.py's two-process
+# worker is the default tier's
+@pytest.mark.long
 def test_two_process_gloo_worker_commits_the_same_model_as_one_process(tmp_path):
     one = _run(tmp_path, "one")
     ddp = _run(tmp_path, "ddp", nproc_per_node=2)

@@ -44,7 +44,7 @@ def calls(monkeypatch):
     return seen
 
 
-def test_a_poll_reads_each_lease_once_and_lists_one_folder(tmp_path, calls):
+def test_a_poll_reads_each_lease_not_yet_in_once_and_lists_one_folder(tmp_path, calls):
     paths = RunPaths(tmp_path / "run")
     beats = [Heartbeat(paths.progress(w), w) for w in range(N)]
     for b in beats:
@@ -53,15 +53,21 @@ def test_a_poll_reads_each_lease_once_and_lists_one_folder(tmp_path, calls):
     m = Membership(paths, N, build_config({"outer": {"num_workers": N}}).outer, clock)
     assert len(calls["read"]) == N  # the baseline: every lease, each found by a listing first
     m.poll(set())  # the first joiner scan finds workers/ (by listings from the root, once)
-    for _ in range(3):
+    for i in range(3):
         calls["list"].clear(), calls["read"].clear()
         clock.t += 0.5
         for b in beats:
             b.beat(force=True, status="training")
         d = m.poll(set(range(N // 2)))
         assert not d.close and len(d.waiting) == N // 2 and all(v.startswith("alive") for v in d.missing.values())
-        assert sorted(calls["read"]) == sorted(str(paths.progress(w)) for w in range(N))  # one read per lease
+        # one read per lease; a worker whose delta is in is read once more (its delta proven its), then no longer
+        read = range(N) if i == 0 else range(N // 2, N)
+        assert sorted(calls["read"]) == sorted(str(paths.progress(w)) for w in read)
         assert calls["list"] == [str(paths.worker_dir(0).parent)]  # one listing: workers/, for joiners
+    m.record_round()  # the next round reads every lease again
+    calls["read"].clear()
+    m.poll(set())
+    assert sorted(calls["read"]) == sorted(str(paths.progress(w)) for w in range(N))
 
 
 def test_a_lease_not_seen_yet_is_asked_of_a_listing_then_read(tmp_path, calls):

@@ -106,6 +106,7 @@ class Membership:
         self.t0 = clock()
         self.history: list[float] = []
         self._round_t0: float | None = None
+        self._read_since_arrival: set[int] = set()  # this round: arrived workers whose lease was read since
         self._quorum_s: float | None = None
         self._elapsed = 0.0
         self._seen: set[int] = set()  # workers whose lease file this object has read (see _read)
@@ -137,10 +138,12 @@ class Membership:
             return rec
         return None
 
-    def observe(self, now: float | None = None) -> float:
-        """Read every lease once; a changed (lease, beat) is a sign of life at `now`."""
+    def observe(self, now: float | None = None, skip: set[int] | frozenset = frozenset()) -> float:
+        """Read every lease once (but those of `skip`); a changed (lease, beat) is a sign of life at `now`."""
         now = self.clock() if now is None else now
         for w, ls in self.leases.items():
+            if w in skip:
+                continue
             rec = self._read(w)
             key = _key(rec)
             if rec is not None:
@@ -264,7 +267,10 @@ class Membership:
     def poll(self, arrived: set[int], leases: dict[int, str | None] | None = None) -> Decision:
         """`leases`: the lease id each arrived delta's sidecar names (the process that wrote it), so that a delta
         left by a killed process does not count as its restarted successor's first delivery."""
-        now = self.observe()
+        # a worker whose delta is in, and whose lease was read once since, is not read again this round: a round's
+        # polls read fewer leases as it fills (the last arrivals are noticed by reading a few leases, not N)
+        now = self.observe(skip=self._read_since_arrival & set(arrived))
+        self._read_since_arrival |= {w for w in arrived if w in self.leases}
         if self._round_t0 is None:
             self._round_t0 = now
         elapsed = self._elapsed = now - self._round_t0
@@ -335,6 +341,7 @@ class Membership:
         if value is not None and math.isfinite(value) and value >= 0:
             self.history = (self.history + [float(value)])[-HISTORY:]
         self._round_t0, self._quorum_s, self._elapsed = None, None, 0.0
+        self._read_since_arrival = set()
 
 
 def _key(rec: dict | None) -> tuple | None:
