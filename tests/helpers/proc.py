@@ -62,18 +62,30 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
 
 def kill_sim_at_random_moments(cmd: list[str], paths, rounds: int, seed: int, tries: int, max_pause: float,
                                workers: int = 2) -> int:
-    """Start `cmd` (a simulator), let it commit a new round, SIGKILL it after a random pause; up to `tries` times or
-    until round `rounds` is committed. Waits until the killed runs' workers are gone; returns the number of kills."""
+    """Start `cmd` (a simulator) and SIGKILL it at a random moment of its run; up to `tries` times or until round
+    `rounds` is committed. The moment is an event plus a fraction of the run's own pace, never a fixed time (a fast
+    run would finish before it): a random round k to be committed (not the last), then a random pause of up to
+    max_pause and up to the last round's measured length. Waits until the killed runs' workers are gone; returns
+    the number of kills."""
     import random
 
     rng = random.Random(seed)
     kills = 0
     for _ in range(tries):
-        sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
         start = paths.latest_committed() or 0
+        if start >= rounds - 1:
+            break
+        k = rng.randint(start + 1, max(start + 1, rounds - 2))
+        sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        seen: dict[int, float] = {}  # commit -> when it was first seen
         try:
-            wait_until(lambda: (paths.latest_committed() or 0) > start, 240, "a new commit", sim)
-            time.sleep(rng.uniform(0.0, max_pause))
+            def reached() -> bool:
+                seen.setdefault(paths.latest_committed() or 0, time.monotonic())
+                return max(seen) >= k
+            wait_until(reached, 240, f"round {k} committed", sim)
+            times = sorted(seen.items())
+            round_s = times[-1][1] - times[-2][1] if len(times) > 1 else max_pause
+            time.sleep(rng.uniform(0.0, min(max_pause, round_s)))
         except AssertionError:
             pass
         if sim.poll() is None:

@@ -62,11 +62,12 @@ def preflight(cfg: RunConfig, strategy: str = "diloco") -> None:
     """Checks that fail in one line before any process starts or any file is written: the device, optional
     packages the config asks for, and user plugins (edt.fitness). Workers on other hosts repeat the device check."""
     from train.core.logs import check_metric_logger
-    from train.core.model import pick_device
 
     for value in (cfg.model.name, cfg.model.tokenizer, cfg.data.dataset):  # a missing shipped default, a typo
         cfg.resolve_path(value)
-    pick_device(cfg.inner.device)
+    if cfg.inner.device != "cpu":  # cpu is always there: no torch import in a simulator that only starts processes
+        from train.core.model import pick_device
+        pick_device(cfg.inner.device)
     check_metric_logger(cfg.logging.metrics)
     if strategy == "edt":
         from train.edt.genes import fitness_function

@@ -7,9 +7,7 @@ import logging
 
 
 def sim_main(strategy: str, doc: str) -> int:
-    from train.core.model import quiet_transformers
     from train.config.strategies import STRATEGIES
-    from train.launch.registry import RUNS
     from train.launch.cli import ARGS, load_from_args, preflight
     from train.launch.local_run import run_local
 
@@ -23,10 +21,10 @@ def sim_main(strategy: str, doc: str) -> int:
                          "(backoff 1 s, 2 s, 4 s, ...; default: outer.max_restarts, 3); 0: a death stops the run")
     args = ap.parse_args()
     cfg, overrides = load_from_args(args, strategy=strategy)
-    quiet_transformers()
     preflight(cfg, strategy)
     log = logging.getLogger(f"{strategy}_sim")
-    log.info("%s", RUNS[strategy].summary(cfg))
+    # the run's one-line summary is the coordinator's first line (printed here with its log): this process only
+    # starts and watches the others, and imports neither torch nor transformers (a second or two of CPU per run)
     rec, paths = run_local(strat, cfg, cfg.source if cfg.source != "<defaults>" else args.config, overrides,
                            args.threads, args.max_restarts)
     if strategy == "edt":
