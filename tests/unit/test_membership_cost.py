@@ -103,3 +103,14 @@ def test_asking_for_joiners_reads_no_running_workers_lease(tmp_path, calls):
     assert m.joiners() == [N]
     assert calls["read"] == [str(paths.progress(N))]
     assert calls["list"] == [str(paths.worker_dir(0).parent)]
+
+
+def test_the_coordinator_reads_leases_at_a_bounded_rate_but_often_enough_to_notice_a_death():
+    """0.5 s up to 16 workers; then N / 32 s (at most 32 lease reads a second: the metadata load stays flat in N,
+    bench/scale.py), never longer than dead_after_s / 5."""
+    from train.diloco.coordinator import leases_every_s
+
+    assert leases_every_s(2, 10.0) == leases_every_s(16, 10.0) == 0.5
+    assert leases_every_s(64, 10.0) == 2.0 and leases_every_s(256, 10.0) == 2.0  # dead_after_s / 5
+    assert leases_every_s(256, 60.0) == 8.0 and leases_every_s(64, 60.0) == 2.0
+    assert leases_every_s(256, 1.0) == 0.5  # never below the half second

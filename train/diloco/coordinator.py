@@ -50,7 +50,16 @@ from train.exchange.store import DiLoCoPaths
 
 log = logging.getLogger("coordinator")
 
-LEASES_EVERY_S = 0.5  # how often the wait loop reads the workers' leases (they beat every 1 s: heartbeat.py)
+LEASES_EVERY_S = 0.5  # how often the wait loop reads the workers' leases (they beat every 1 s: heartbeat.py) ...
+LEASE_READS_PER_S = 32.0  # ... at most, so that with N workers the interval is N / 32 s (8 s at 256), and never more
+                          # than dead_after_s / 5 (a dead worker is still noticed within 1.2 x dead_after_s)
+
+
+def leases_every_s(n: int, dead_after_s: float) -> float:
+    """How often a round's wait loop reads the leases of N workers: every 0.5 s up to 16 workers, then a bounded
+    rate of lease reads (the NFS server's metadata load stays flat in N, bench/scale.py), but at least 5 times per
+    dead_after_s."""
+    return max(LEASES_EVERY_S, min(n / LEASE_READS_PER_S, dead_after_s / 5))
 
 
 def run_identity(cfg: RunConfig) -> dict:
@@ -259,6 +268,7 @@ class Coordinator:
                    disable=not self.progress, dynamic_ncols=True)
         warned, shown = False, -1
         d, t_leases = None, 0.0
+        every = leases_every_s(N, oc.dead_after_s)
         while True:
             self.monitor()
             got = self.arrived(r)
@@ -279,9 +289,10 @@ class Coordinator:
             if set(range(N)) <= set(got):
                 why = {}
                 break
-            # the leases are rewritten once a second: read them every half second, not at every listing of the
-            # deltas (N reads per poll made each poll, and so the notice of the last arrival, grow with N)
-            if d is None or time.monotonic() - t_leases >= LEASES_EVERY_S:
+            # the leases are rewritten once a second: read them every `every` s (leases_every_s), not at every
+            # listing of the deltas (N reads per poll made each poll, and so the notice of the last arrival, grow
+            # with N)
+            if d is None or time.monotonic() - t_leases >= every:
                 t_leases = time.monotonic()
                 d = self.membership.poll(set(got), {w: m.get("lease") for w, m in acc.metas.items()})
             if d.close:
