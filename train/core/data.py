@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -302,7 +301,7 @@ def _copy_cache(src: Path, dst: Path) -> None:
     so that a reader, or two runs copying at once, never see half of one."""
     sharedfs.makedirs(dst)
     for name in ("tokens.bin", "meta.json"):
-        tmp = dst / f".{name}.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp = dst / f".{name}.tmp-{os.getpid()}"
         sharedfs.retry("copy the token cache to", tmp, lambda: shutil.copyfile(src / name, tmp))
         sharedfs.replace(tmp, dst / name)
 
