@@ -11,8 +11,9 @@ its supervisor (`python -m train.launch.supervise`), the supervisors kept by thi
 (bench/throttlefs.py via tests/helpers/fusefs.py: lookup cache 10 s, faults switched through a control file) of one
 backing folder, which lies on a real small filesystem (a tmpfs of --disk-mb, when this user may mount one).
 
-The fault schedule (seeded by --seed) starts a fault every --gap seconds, each kind once in a shuffled order first,
-then at random; faults overlap (a hang lasts 60 s, a full disk 30 s). Kinds (--faults):
+The fault schedule (seeded by --seed) starts a fault every --gap seconds, or once --every-rounds rounds were committed
+since the last one if that comes first (so a fast machine gets as many faults as a slow one), each kind once in a
+shuffled order first, then at random; faults overlap (a hang lasts 60 s, a full disk 30 s). Kinds (--faults):
     kill_worker        SIGKILL of a worker (its supervisor restarts it)
     kill_supervisor    SIGKILL of a worker's supervisor (this script restarts it, as the simulator does)
     kill_coordinator   SIGKILL of the coordinator (its supervisor restarts it)
@@ -73,6 +74,7 @@ KINDS = ("kill_worker", "kill_supervisor", "kill_coordinator", "stop_worker", "e
          "disk_full", "bad_delta", "join", "leave", "move_coordinator")
 BAD_KINDS = ("scale", "flip", "noise")
 PROJECT = "soak"
+MIN_GAP_S = 3.0  # two faults start at least this far apart, whatever --every-rounds says
 
 
 # -- the run's config ------------------------------------------------------------------------------------------------
@@ -439,6 +441,7 @@ class Soak:
             order = self.rng.sample(kinds, len(kinds))
             deadline = self.t0 + self.a.timeout
             next_fault = self.t0 + self.a.first_fault
+            next_fault_round = 1 + self.a.every_rounds
             last_sample = 0.0
             tries: dict[str, int] = {}
             while time.monotonic() < deadline:
@@ -455,8 +458,9 @@ class Soak:
                     last_sample = time.monotonic()
                 latest = self.checker.latest()
                 stop_at = self.a.rounds - max(3, self.a.rounds // 10)  # the last rounds run without new faults
-                if kinds and time.monotonic() >= next_fault and latest >= 1 and latest < stop_at and (
-                        len(self.faults) < self.a.max_faults):
+                due = time.monotonic() >= next_fault or (
+                    latest >= next_fault_round and time.monotonic() >= next_fault - self.a.gap + MIN_GAP_S)
+                if kinds and due and latest >= 1 and latest < stop_at and len(self.faults) < self.a.max_faults:
                     kind = order[0] if order else self.rng.choice(kinds)
                     done = self.inject(kind) is not None
                     if order:  # each kind once first; one that has no target now goes to the back of the line
@@ -465,6 +469,7 @@ class Soak:
                             tries[kind] = tries.get(kind, 0) + 1
                             order.append(kind)
                     next_fault = time.monotonic() + self.a.gap
+                    next_fault_round = latest + self.a.every_rounds
                 time.sleep(0.25)
             else:
                 self.say(f"timeout: {self.a.timeout:g} s passed before the run finished")
@@ -763,6 +768,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-faults", action="store_true", help="no faults: the baseline a soak's wall time is held "
                                                                "against (same workers and rounds)")
     ap.add_argument("--gap", type=float, default=None, help="seconds between two faults (default 30; --quick 9)")
+    ap.add_argument("--every-rounds", type=int, default=None,
+                    help="a fault also starts once this many rounds were committed since the last one, if that "
+                         "comes before --gap (default: none; --quick 4, so an idle fast box gets its 16 faults)")
     ap.add_argument("--max-faults", type=int, default=None, help="at most this many faults (default: no limit; "
                                                                   "--quick 16)")
     ap.add_argument("--dead-after", type=float, default=6.0, help="outer.dead_after_s (default %(default)s)")
@@ -780,6 +788,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.rounds = a.rounds or (80 if q else 1000)
     a.gap = a.gap or (9.0 if q else 30.0)
     a.max_faults = a.max_faults or (16 if q else 10 ** 6)
+    a.every_rounds = a.every_rounds or (4 if q else 10 ** 9)
     a.timeout = a.timeout or (420.0 if q else 4 * 3600.0)
     a.out = a.out or tempfile.mkdtemp(prefix="edt-soak-")
     if a.no_faults:
