@@ -195,7 +195,8 @@ def overrides(args, row: dict, seed: int) -> list[str]:
             "inner.weight_decay_mode=inverse_steps", "inner.grad_clip=1.0", "inner.reset_state=false",
             f"inner.per_device_batch_size={b}", f"inner.total_batch_size={b}",
             f"outer.num_workers={M}", f"outer.local_steps={row['H']}", f"outer.rounds={rounds}",
-            f"outer.lr={row['lr']}", f"outer.momentum={row['mom']}", "outer.nesterov=true", "outer.keep_rounds=1",
+            f"outer.lr={row['lr']}", f"outer.momentum={row['mom']}",
+            f"outer.nesterov={str(row.get('nesterov', True)).lower()}", "outer.keep_rounds=1",
             "eval.batch_size=32", f"eval.batches={args.eval_batches}", f"eval.every={T}", "logging.plot=false"]
     if args.device:
         sets.append(f"inner.device={args.device}")
@@ -242,32 +243,63 @@ def plot(res: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--M", type=int, nargs="+", default=[1, 2, 4], choices=sorted(OUTER_LR))
-    ap.add_argument("--H", type=int, nargs="+", default=[10, 30, 100])
-    ap.add_argument("--steps", type=int, default=300, help="T: steps of every run (each worker's, for DiLoCo)")
-    ap.add_argument("--batch", type=int, default=24, help="global batch in windows (DiLoCo: batch / M per worker)")
-    ap.add_argument("--seq", type=int, default=144)
-    ap.add_argument("--lr", type=float, default=1.6e-2, help="inner AdamW peak lr")
+    ap.add_argument("--short", action="store_true",
+                    help="the 10-outer-step smoke study (T = 300 steps of 24 x 144 tokens, H 10 30 100, seeds 0 1, "
+                         "every row of the plan at --lr): cheap, but outside the paper's regime")
+    ap.add_argument("--flat", action="store_true", help="the flat plan (--lrs, --outer, --only) at the sizes given")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--short, --quick: 0 1)")
+    ap.add_argument("--M", type=int, nargs="+", default=None, choices=sorted(OUTER_LR), help="default 1 2 4")
+    ap.add_argument("--H", type=int, nargs="+", default=[10, 30, 100], help="H = 30 is the study's; the others at "
+                                                                             "equal tokens")
+    ap.add_argument("--steps", type=int, default=None, help="T: steps of every run (each worker's, for DiLoCo); "
+                                                            "default 2700 (--short 300)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch in windows (DiLoCo: batch / M per worker); "
+                                                            "default 8 (--short 24)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per window; default 64 (--short 144)")
+    ap.add_argument("--lr", type=float, default=None, help="inner AdamW peak lr of the flat plan (--short 1.6e-2)")
     ap.add_argument("--lrs", type=float, nargs="+", metavar="LR",
-                    help="run every AdamW row at each of these inner peak lrs and report each row at its best "
-                         "(DP included; default: --lr alone)")
-    ap.add_argument("--only", metavar="REGEX", help="only the rows whose name matches (DP is always run)")
+                    help="the inner peak lrs: the staged study tunes each row over them (default 0.006 0.012 "
+                         "0.024); the flat plan runs every AdamW row at each and reports each row at its best")
+    ap.add_argument("--only", metavar="REGEX", help="flat plan: only the rows whose name matches (DP is always run)")
     ap.add_argument("--muon-lr", type=float, default=0.05)
-    ap.add_argument("--eval-batches", type=int, default=12, help="held-out batches of 32 windows")
+    ap.add_argument("--eval-batches", type=int, default=None, help="held-out batches of 32 windows (default 24; "
+                                                                    "--short 12)")
     ap.add_argument("--model", default="configs/scaling-llama.json")
     ap.add_argument("--device", default="", help="inner.device of every run (default: the config's, auto)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override of every run")
     ap.add_argument("--outer", nargs="*", default=[], metavar="LR,MOM",
-                    help="extra rows at H=30 for every M: outer lr and Nesterov momentum, e.g. 1.0,0 0.2,0.9")
+                    help="flat plan: extra rows at H=30 for every M: outer lr and Nesterov momentum, e.g. 1.0,0")
     ap.add_argument("--core-only", action="store_true", help="only the paper's rows (DP, DiLoCo M x H)")
-    ap.add_argument("--quick", action="store_true", help="smoke version: 60 steps, seed 0, M 1 4, H 10 30")
+    ap.add_argument("--quick", action="store_true",
+                    help="the paper's regime, fewer rows: seeds 0 1, M 1 4, H 30, inner lrs 0.006 0.012, Nesterov "
+                         "lr 0.6 and 1.0 and averaging (about 20 min); with --short: 60 steps, seed 0, M 1 4, H 10 30")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (threads per process: cores / jobs / M)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     ap.add_argument("--report", action="store_true", help="no new runs: the table of the rows already recorded")
     ap.add_argument("--fresh", action="store_true", help="ignore the runs recorded by an earlier invocation")
-    ap.add_argument("--out", default="scaling", help="results name under bench/results/")
+    ap.add_argument("--out", default=None, help="results name under bench/results/ (default scaling-paper; --short "
+                                                "scaling)")
     args = ap.parse_args()
+    short = args.short
+    args.M = args.M or [1, 2, 4]
+    args.steps = args.steps or (300 if short else 2700)
+    args.batch = args.batch or (24 if short else 8)
+    args.seq = args.seq or (144 if short else 64)
+    args.eval_batches = args.eval_batches or (12 if short else 24)
+    args.out = args.out or ("scaling" if short else "scaling-paper")
+    if not (short or args.flat):  # the staged study in the paper's regime (bench/scaling_regime.py)
+        import scaling_regime
+        args.seeds = args.seeds or ([0, 1] if args.quick else [0, 1, 2])
+        args.lrs = args.lrs or ([0.006, 0.012] if args.quick else [0.006, 0.012, 0.024])
+        if args.quick:
+            args.M, args.H, args.out = [1, 4], [30], args.out + "-quick"
+        if args.steps % 30 or any(args.steps % h for h in args.H) or any(args.batch % m for m in args.M):
+            raise SystemExit(f"--steps {args.steps} must be a multiple of 30 and of every --H, and --batch "
+                             f"{args.batch} of every --M")
+        scaling_regime.study(args, sys.modules[__name__])
+        return
+    args.seeds = args.seeds or [0, 1]
+    args.lr = args.lr or 1.6e-2
     if args.quick:
         args.steps, args.seeds, args.M, args.H, args.out = 60, [0], [1, 4], [10, 30], args.out + "-quick"
     args.lrs = args.lrs or [args.lr]
