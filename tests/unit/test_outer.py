@@ -223,7 +223,8 @@ def test_the_start_up_line_names_the_outer_step_as_it_acts():
     so rather than "momentum 0.0 nesterov" (issue #36)."""
     from train.diloco.coordinator import outer_step_words
 
-    assert outer_step_words(1.0, 0.0, True) == "parameter averaging (SGD with lr 1, momentum 0)"
+    assert outer_step_words(1.0, 0.0, True) == \
+        "parameter averaging (DiLoCo's Nesterov outer step at lr 1, momentum 0)"
     assert outer_step_words(0.7, 0.9, True) == "SGD with Nesterov momentum 0.9, lr 0.7"
     assert outer_step_words(0.7, 0.9, False) == "SGD with momentum 0.9, lr 0.7"
     assert "nesterov" not in outer_step_words(0.5, 0.0, True).lower()

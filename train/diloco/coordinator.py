@@ -583,9 +583,10 @@ def config_summary(cfg: RunConfig) -> str:
 
 def outer_step_words(lr: float, momentum: float, nesterov: bool) -> str:
     """The outer step as a reader should take it: with momentum 0, Nesterov changes nothing, and with lr 1 too the
-    step is parameter averaging."""
+    step is parameter averaging, which is DiLoCo's Nesterov outer step at those two values."""
     if momentum == 0:
-        kind = "parameter averaging (SGD with" if lr == 1 else "SGD without momentum ("
-        return f"{kind} lr {lr:g}, momentum 0)" if lr == 1 else f"{kind}lr {lr:g})"
+        if lr == 1:
+            return "parameter averaging (DiLoCo's Nesterov outer step at lr 1, momentum 0)"
+        return f"SGD without momentum (lr {lr:g})"
     return f"SGD with {'Nesterov ' if nesterov else ''}momentum {momentum:g}, lr {lr:g}"
 
