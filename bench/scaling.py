@@ -83,11 +83,15 @@ def run(base: Path, name: str, sets: list[str], threads: int, timeout: float) ->
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if out.returncode != 0:
         raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
-    last = json.loads((base / name / "metrics.jsonl").read_text().splitlines()[-1])
+    recs = [json.loads(line) for line in (base / name / "metrics.jsonl").read_text().splitlines()]
+    last = recs[-1]
     meta = json.loads(next((base / name / "data").glob("*/meta.json")).read_text())
     shutil.rmtree(base / name, ignore_errors=True)
+    # the delta screen (outer.screen) must reject nothing in these healthy runs: counted, shown by --report
+    screened = sum(len(r.get("screen") or {}) for r in recs)
+    rejected = sum(1 for r in recs for why in (r.get("rejected") or {}).values() if str(why).startswith("screen"))
     return {"eval_loss": last["eval_loss"], "tokens": last["tokens"], "corpus_tokens": meta["tokens"],
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "screened": screened, "screen_rejected": rejected}
 
 
 def rows(args) -> list[dict]:
