@@ -1,15 +1,20 @@
 """DiLoCo against data-parallel at equal tokens, following Charles et al. 2025 ("Scaling Laws for DiLoCo",
 arXiv 2503.09799) at a size 2 CPU cores train.
 
-    python bench/scaling.py                   # the default study: 40 runs, 2 seeds (~80 min on 2 busy CPU cores)
-    python bench/scaling.py --quick           # a smoke version: 60 steps, 1 seed, M 1 4, H 10 30 (10 runs)
-    python bench/scaling.py --device cuda     # the same study on a GPU (inner.device; auto picks CUDA anyway)
+    python bench/scaling.py                   # the paper's regime: 2700 steps, H = 30 is 90 outer steps, staged
+                                              # tuning, M 1 2 4, H 10 30 100, 3 seeds (bench/scaling_regime.py)
+    python bench/scaling.py --quick           # the same regime, fewer rows: M 1 4, H 30, 2 seeds
     python bench/scaling.py --report          # the table again from the recorded runs, without running any
-    python bench/scaling.py --H 30 --lrs 0.012 0.016 0.02 --only averaging   # DP and the averaging rows, each
-                                              # at its best inner lr of the three (the paper tunes each setting)
+    python bench/scaling.py --device cuda     # the same study on a GPU (inner.device; auto picks CUDA anyway)
+    python bench/scaling.py --short           # the 10-outer-step study below (T = 300): a cheap smoke version
+    python bench/scaling.py --short --H 30 --lrs 0.012 0.016 0.02 --only averaging   # DP and the averaging rows,
+                                              # each at its best inner lr of the three
 
-Time: 70 min wall for the default study on 2 CPU cores that another job kept at load 9-15 (2-5 runs at a time);
-one run of DP alone trains at ~30k tokens/s on the 2 idle cores (~50 s with start-up and evaluation).
+The default study and what it runs: bench/scaling_regime.py (its time: docs/benchmarks.md). What follows is the
+--short study (and --flat, its plan at other sizes).
+
+Time (--short): 70 min wall for the whole plan on 2 CPU cores that another job kept at load 9-15 (2-5 runs at a
+time); one run of DP alone trains at ~30k tokens/s on the 2 idle cores (~50 s with start-up and evaluation).
 
 Protocol. Model: configs/scaling-llama.json, a Llama of 116,000 parameters of which 65,536 are the tied 2048 x 32
 embedding and 50,464 the rest (4 layers, hidden 32, MLP 88, 2 heads). Data: the shipped corpus (27 Shakespeare
@@ -277,6 +282,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="the paper's regime, fewer rows: seeds 0 1, M 1 4, H 30, inner lrs 0.006 0.012, Nesterov "
                          "lr 0.6 and 1.0 and averaging (about 20 min); with --short: 60 steps, seed 0, M 1 4, H 10 30")
+    ap.add_argument("--beyond-seeds", type=int, default=2,
+                    help="the staged study's rows beyond the paper (overlap, MuLoCo, topk) run on this many of the "
+                         "seeds (default %(default)s)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (threads per process: cores / jobs / M)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     ap.add_argument("--report", action="store_true", help="no new runs: the table of the rows already recorded")

@@ -93,7 +93,7 @@ def test_the_default_study_plans_the_same_rows_in_the_same_order():
 def regime_args(tmp_path, **kw) -> argparse.Namespace:
     base = dict(M=[1, 4], H=[10, 30], steps=60, batch=8, seq=64, lr=None, lrs=[0.006, 0.012, 0.024], muon_lr=0.05,
                 eval_batches=2, model="configs/scaling-llama.json", device="", set=[], outer=[], core_only=False,
-                only=None, seeds=[0, 1, 2], quick=False, jobs=1, timeout=60, report=False, fresh=False,
+                only=None, seeds=[0, 1, 2], beyond_seeds=2, quick=False, jobs=1, timeout=60, report=False, fresh=False,
                 out="regime-test")
     return argparse.Namespace(**{**base, **kw})
 
@@ -146,6 +146,7 @@ def test_the_staged_study_tunes_then_runs_the_chosen_rows_on_every_seed(monkeypa
     assert {d.get("outer.chunk_size") for d in done if d.get("outer.compression") == "topk"} == {"4096", "128"}
     assert {d["outer.overlap"] for d in done if "outer.overlap" in d} == {"delayed", "eager"}
     assert any(d.get("inner.optimizer") == "muon" and d["outer.num_workers"] == "1" for d in done)  # DP, Muon
+    assert {d["seed"] for d in done if d.get("outer.compression") == "topk"} == {"0", "1"}  # --beyond-seeds 2
     out = (tmp_path / "regime-test.md").read_text()
     assert "DiLoCo M=4 H=30, averaging (lr 1, momentum 0) | 0.012 |" in out and "the tuning runs (seed 0)" in out
     # a second invocation runs nothing: every run is recorded under the code's fingerprint
