@@ -12,7 +12,7 @@ H = 100 (270 and 27 outer steps) are run at equal tokens. The study is staged, a
              lr of every configuration);
   4. seeds   DP and those rows at their best inner lr on every seed;
   5. H       for every M, its better outer step at H = 10 and H = 100 on every seed (same tokens, same inner lr);
-  6. beyond  at the largest M, H = 30, on the first --beyond-seeds seeds (2: the study stays near 90 minutes):
+  6. beyond  at the largest M, H = 30, on the first --beyond-seeds seeds (2, --quick 1: the default ~100 minutes):
              the delayed and eager overlapped outer steps (with that M's better outer step), MuLoCo (Muon inner, the
              same outer step) with a DP Muon row, and the sparse exchange (topk 1.56%, 2-bit values) with the
              paper's recipe (chunk 4096, outer lr 1) against the setting tuned in docs/compression.md (chunk 128,
