@@ -336,10 +336,9 @@ def ensure_run_manifest(paths: RunPaths, identity: dict) -> dict:
 
 
 # -- polling --------------------------------------------------------------------------------------------------------
-def wait_for(predicate: Callable[[], Any], timeout: float | None, poll: float | Callable[[], float],
+def wait_for(predicate: Callable[[], Any], timeout: float | None, poll: float,
              on_poll: Callable[[], None] | None = None) -> Any:
-    """Poll `predicate` until it returns something truthy (returned) or `timeout` seconds pass (returns None).
-    `poll`: seconds between two calls, or a function that says how many before each sleep."""
+    """Poll `predicate` until it returns something truthy (returned) or `timeout` seconds pass (returns None)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         got = predicate()
@@ -349,7 +348,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float | None, poll: float | 
             on_poll()
         if deadline is not None and time.monotonic() >= deadline:
             return None
-        time.sleep(poll() if callable(poll) else poll)
+        time.sleep(poll)
 
 
 def append_jsonl(path: Path, record: dict) -> None:

@@ -30,7 +30,7 @@ from train.exchange.layout import Layout
 from train.exchange.master import OuterMaster
 from train.exchange.membership import Membership, workers_alive
 from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
-from train.exchange.reduce import TAIL_FAST_S, arrived, prune_rounds, tail_poll_s
+from train.exchange.reduce import arrived, prune_rounds
 from train.exchange.screen import STREAK, screen_round
 from train.diloco.overlap import for_config
 from train.status.recorder import TimelineRecorder
@@ -267,7 +267,7 @@ class Coordinator:
         bar = tqdm(total=N * H, desc=f"round {r + 1}/{oc.rounds} inner steps", unit="step", leave=False,
                    disable=not self.progress, dynamic_ncols=True)
         warned, shown = False, -1
-        d, t_leases, t_one = None, 0.0, None
+        d, t_leases = None, 0.0
         every = leases_every_s(N, oc.dead_after_s)
         while True:
             self.monitor()
@@ -304,10 +304,7 @@ class Coordinator:
                 log.warning("round %d: %.0fs and only %d deltas (min_workers = %d): still waiting (%s)", r,
                             time.monotonic() - t0, len(got), oc.min_workers, d.summary())
                 warned = True
-            if t_one is None and N >= 2 and len(set(got) & set(range(N))) == N - 1:
-                t_one = time.monotonic()  # one delta to go: its arrival is noticed within tail_poll_s
-            fast = t_one is not None and time.monotonic() - t_one < TAIL_FAST_S
-            time.sleep(tail_poll_s(oc.poll_interval_s) if fast else oc.poll_interval_s)
+            time.sleep(oc.poll_interval_s)
         bar.close()
         self.lease.set("reducing", round=r)
         self.screen(r, acc, rejected)

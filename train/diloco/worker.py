@@ -54,7 +54,6 @@ from train.exchange.codec import Residual
 from train.exchange.layout import Layout
 from train.exchange.master import exchange_codecs
 from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
-from train.exchange.reduce import TAIL_FAST_S, arrived, tail_poll_s
 from train.exchange.theta import GlobalTheta
 from train.core.store import (
     PROTOCOL_VERSION,
@@ -205,26 +204,10 @@ class Worker(ResumeState):
                 self.overlap.flush()  # our last round is published before we wait for the outer step
                 self.publish_pending(self.state["round_done"])
                 self.hb.beat(force=True, status="waiting for the outer step", round=r)
-                wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r, None,
-                         self.commit_poll(self.state["round_done"]))
+                wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r, None, self.poll)
                 continue
             broadcast_json(k, self.dist, self.device)
             self.train_round(k)
-
-    def commit_poll(self, r: int):
-        """How often to look for the commit after publishing our delta of round r: when ours was the round's last
-        (one listing says every slot's delta is in), the outer step is under way and its commit is looked for
-        every tail_poll_s for up to TAIL_FAST_S seconds; otherwise every poll_interval_s."""
-        lay = self.layout()
-        slots = lay.slots(r) if lay is not None else 0
-        try:
-            last = slots > 1 and len(arrived(self.paths, r, slots)) == slots
-        except OSError:
-            last = False
-        if not last:
-            return self.poll
-        fast_until = time.monotonic() + TAIL_FAST_S
-        return lambda: tail_poll_s(self.poll) if time.monotonic() < fast_until else self.poll
 
     # -- membership: our slot in the data layout (train/exchange/layout.py, docs/elastic.md) -------------------------
     def layout_changed(self) -> bool:

@@ -44,18 +44,6 @@ def param_order(paths: DiLoCoPaths, r: int) -> list[str]:
     return sorted(header, key=lambda k: header[k]["data_offsets"][0])
 
 
-# The end of a round is noticed sooner than a poll interval: the coordinator lists the deltas folder every
-# tail_poll_s once all but one delta are in, and the worker that published the round's last delta looks for the
-# commit as often; each for at most TAIL_FAST_S seconds, so the extra listings are bounded per round (at the
-# defaults: 80 at most, against N x 5 a second for the whole round), not per worker.
-TAIL_FAST_S = 2.0
-
-
-def tail_poll_s(poll_interval_s: float) -> float:
-    """The poll interval while a round's end is imminent: an eighth of the usual one, at least 10 ms."""
-    return max(0.01, poll_interval_s / 8)
-
-
 def arrived(paths: DiLoCoPaths, r: int, num_workers: int) -> list[int]:
     """Workers whose delta of round r is published (its sidecar marks it complete)."""
     present = set(sharedfs.names(paths.deltas_dir(r)))  # a listing, not lookups (NFS: train/core/sharedfs.py)
