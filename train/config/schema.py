@@ -140,6 +140,11 @@ class RunConfig:
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
                 sub.validate(f.name + ".")
+        if self.outer.streaming and self.inner.nproc_per_node > 1:
+            raise bad_value("outer.fragments", self.outer.fragments,
+                            f"streaming DiLoCo (outer.fragments / fragment_delay / fragment_mix) does not work with "
+                            f"torchrun workers (inner.nproc_per_node = {self.inner.nproc_per_node}) yet: use one "
+                            f"process per worker")
         if self.outer.overlap != "none" and self.inner.nproc_per_node > 1:
             raise bad_value("outer.overlap", self.outer.overlap,
                             f"does not work with torchrun workers (inner.nproc_per_node = "
@@ -212,7 +217,7 @@ class RunConfig:
 
     @property
     def total_inner_steps(self) -> int:
-        return self.inner.total_steps or sum(self.outer.local_steps_at(r) for r in range(self.outer.rounds))
+        return self.inner.total_steps or sum(self.outer.round_steps_at(r) for r in range(self.outer.rounds))
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -29,7 +29,8 @@ class InnerConfig:
         "`weight_decay`.")
     warmup_steps: int = doc(20, "Linear warmup steps of the inner schedule.")
     total_steps: int = doc(0, "Length of the cosine schedule in inner steps; 0 = rounds x local_steps (the sum of "
-                              "the rounds' H with outer.local_steps_schedule).")
+                              "the rounds' H with outer.local_steps_schedule; rounds x local_steps / fragments "
+                              "with outer.fragments).")
     min_lr_ratio: float = doc(0.1, "Cosine floor as a fraction of `lr`.")
     per_device_batch_size: int = doc(16, "Windows per forward/backward pass.")
     total_batch_size: int = doc(16, "Windows per optimizer step (per worker); a multiple of per_device_batch_size "
@@ -193,6 +194,20 @@ class OuterConfig:
                                 "τ = after τ steps, waiting there for the commit if needed (Streaming DiLoCo's τ; "
                                 "reproducible); >= local_steps: at the segment's end (one round late). The worker "
                                 "keeps the progress since the segment's start and takes its delta against θ_{r+1}.")
+    fragments: int = doc(1, "Streaming DiLoCo (docs/streaming.md): split the model into P fragments (the paper's "
+                            "strided split of the transformer blocks; the embeddings split by rows), one synced per "
+                            "round, so a round is H / P inner steps, fragment p is synced every H steps at offset "
+                            "p·H/P and no round moves more than 1/P of the model. outer.rounds counts these syncs: "
+                            "R·P rounds train the tokens of R DiLoCo rounds. 1 = DiLoCo. local_steps must be a "
+                            "multiple of P.")
+    fragment_delay: int = doc(0, "Streaming DiLoCo's τ: inner steps a worker trains on after publishing a "
+                                 "fragment's delta before it takes the fragment's outer result in (waiting there "
+                                 "for the commit if needed); 0 = it waits for the commit before training on. Below "
+                                 "local_steps / fragments.")
+    fragment_mix: float = doc(0.0, "Streaming DiLoCo's α: when a fragment's outer result arrives the worker's copy of "
+                                   "that fragment becomes α·local + (1 − α)·global (torch.lerp, as torchft's "
+                                   "fragment_update_alpha). 0 = replaced by the global one, as DiLoCo does; the paper "
+                                   "mixes in part of the local progress made during the τ overlapped steps.")
     block_size: int = doc(128, "Values per scale of the int8 / int4 codecs (bench/compression.py measures the "
                                "error against block size).")
     density: float = doc(0.015625, "topk: the fraction of each chunk's values a worker sends per round "
@@ -230,6 +245,15 @@ class OuterConfig:
             if start <= r:
                 H = h
         return H
+
+    @property
+    def streaming(self) -> bool:
+        """Streaming DiLoCo's worker loop (train/diloco/streaming.py): fragments, an overlap τ or a mix α."""
+        return self.fragments > 1 or self.fragment_delay > 0 or self.fragment_mix > 0
+
+    def round_steps_at(self, r: int) -> int:
+        """Inner steps of round r: H, or H / P with fragments (a round syncs one fragment)."""
+        return self.local_steps_at(r) // max(1, self.fragments)
 
     def validate(self, p: str) -> None:
         check_range(self, p, "num_workers", 1)
@@ -271,6 +295,26 @@ class OuterConfig:
         check_range(self, p, "ef_decay", 0.0, 1.0)
         check_choice(self, p, "overlap")
         check_range(self, p, "overlap_steps", 0)
+        check_range(self, p, "fragments", 1)
+        check_range(self, p, "fragment_delay", 0)
+        check_range(self, p, "fragment_mix", 0.0, 1.0)
+        if self.fragments > 1:
+            if self.local_steps_schedule:
+                raise bad_value(p + "local_steps_schedule", self.local_steps_schedule,
+                                f"is not supported with {p}fragments > 1 (each fragment is synced every H steps): "
+                                f"use one {p}local_steps")
+            if self.local_steps % self.fragments:
+                raise bad_value(p + "fragments", self.fragments,
+                                f"must divide {p}local_steps = {self.local_steps} (a round is H / P inner steps): "
+                                f"e.g. local_steps = {self.fragments * max(1, self.local_steps // self.fragments)}")
+        if self.fragment_delay and self.fragment_delay >= self.round_steps_at(0):
+            raise bad_value(p + "fragment_delay", self.fragment_delay,
+                            f"must be below {p}local_steps / {p}fragments = {self.round_steps_at(0)} (τ < H/P: a "
+                            f"fragment's outer result is taken in before the next round's sync)")
+        if self.streaming and self.overlap != "none":
+            raise bad_value(p + "overlap", self.overlap,
+                            f"does not combine with streaming DiLoCo ({p}fragments / fragment_delay / "
+                            f"fragment_mix): {p}fragment_delay is its overlap; set {p}overlap = \"none\"")
         check_range(self, p, "block_size", 8, 1 << 20)
         check_range(self, p, "checkpoint_every", 1)
         if self.block_size % 2:

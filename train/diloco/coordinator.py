@@ -71,7 +71,9 @@ def run_identity(cfg: RunConfig) -> dict:
             **({"compression": cfg.outer.compression, "block_size": cfg.outer.block_size}
                if cfg.outer.compression != "none" else {}),
             **({"density": cfg.outer.density, "chunk_size": cfg.outer.chunk_size,
-                "sparse_values": cfg.outer.sparse_values} if cfg.outer.compression == "topk" else {})}
+                "sparse_values": cfg.outer.sparse_values} if cfg.outer.compression == "topk" else {}),
+            # round r syncs fragment r mod P: P cannot change on a resume (rounds_ahead and the rest may)
+            **({"fragments": cfg.outer.fragments} if cfg.outer.fragments > 1 else {})}
 
 
 class Coordinator:
@@ -129,12 +131,19 @@ class Coordinator:
         self.master = OuterMaster(paths, cfg.outer, cfg.outer.rounds)
         self.master.resume(paths.latest_committed())
         self.names = self.master.names
+        if cfg.outer.fragments > 1:
+            log.info("streaming DiLoCo: %d fragments, one synced every %d inner steps (τ = %d, α = %g): %s",
+                     cfg.outer.fragments, cfg.outer.round_steps_at(0), cfg.outer.fragment_delay,
+                     cfg.outer.fragment_mix, self.master.frags.describe())
+            if cfg.outer.late_weight > 0:
+                log.info("outer.late_weight = %g is not used with fragments: a delta that misses its round is "
+                         "dropped (the next round syncs another fragment; docs/streaming.md)", cfg.outer.late_weight)
         self.log_missing_record(paths.latest_committed(), resumed=not fresh)
 
     # -- the data layout (train/exchange/layout.py) ------------------------------------------------------------------
     def round_windows(self, r: int) -> int:
         """Stream windows one worker reads in round r (its H x the batch)."""
-        return self.cfg.outer.local_steps_at(r) * self.cfg.inner.total_batch_size
+        return self.cfg.outer.round_steps_at(r) * self.cfg.inner.total_batch_size
 
     def check_data_size(self) -> None:
         oc, n = self.cfg.outer, self.data.n_train_windows
@@ -142,7 +151,7 @@ class Coordinator:
             from train.core.errors import DataError
             raise DataError(f"the dataset holds no training window of {self.cfg.data.seq_length + 1} tokens: use "
                             f"more data or a smaller data.seq_length")
-        H = max(oc.local_steps_at(r) for r in range(oc.rounds))
+        H = max(oc.round_steps_at(r) for r in range(oc.rounds))
         if n < oc.num_workers * H * self.cfg.inner.total_batch_size:
             log.warning("the dataset has %d training windows, fewer than one round reads (%d workers x %d steps x "
                         "%d windows): every round is more than an epoch", n, oc.num_workers, H,
@@ -256,7 +265,7 @@ class Coordinator:
         from tqdm import tqdm
 
         oc = self.cfg.outer
-        H = oc.local_steps_at(r)
+        H = oc.round_steps_at(r)
         slots, N = self.expected(r)
         self.membership.set_workers(N)
         self.lease.set("collecting", round=r)
@@ -276,7 +285,8 @@ class Coordinator:
                 if w in acc.metas or w in rejected:
                     continue
                 try:
-                    acc.add(w, self.check_slice(r, w, check_sidecar(self.paths, r, w, self.master.delta_codec)))
+                    acc.add(w, self.check_slice(r, w, check_sidecar(self.paths, r, w, self.master.delta_codec,
+                                                                     acc.shapes)))
                 except RejectedDelta as e:
                     rejected[w] = e.reason
                     log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)
@@ -348,7 +358,7 @@ class Coordinator:
         """outer.late_weight > 0: the deltas of round r - 1 that missed it (published since) go into round r with
         late_weight x their tokens as weight (a staleness weight); a bad one is logged and left out."""
         oc = self.cfg.outer
-        if oc.late_weight <= 0 or r == 0:
+        if oc.late_weight <= 0 or r == 0 or oc.fragments > 1:  # (with fragments round r − 1 synced another one)
             return
         for w in self.late_candidates(r):
             if w in acc.late or w in self._late_rejected or not sharedfs.exists(self.paths.delta_meta(r - 1, w)):
@@ -404,6 +414,9 @@ class Coordinator:
             record["screen"] = self.screen_info
             if self.screen_streak:
                 record["screened_out_in_a_row"] = self.screen_streak
+        record["bytes_deltas"] = sum(int(metas[w].get("bytes", 0)) for w in ok)  # the deltas averaged in
+        if oc.fragments > 1:
+            record["fragment"] = self.master.frags.of_round(r)
         record.update(codec=fields["codec"], checkpoint=fields["checkpoint"], missing_why=self.missing_why,
                       data={f"w{w:03d}": [metas[w]["data"]["offset"], metas[w]["data"]["read"]] for w in sorted(ok)})
         late = {f"w{w:03d}": {"round": r - 1, "weight": oc.late_weight, "tokens": m["tokens"]}
@@ -576,6 +589,11 @@ def config_summary(cfg: RunConfig) -> str:
     oc = cfg.outer
     H = f"H={oc.local_steps}" if not oc.local_steps_schedule else \
         "H=" + ", ".join(f"{h} from round {r}" for r, h in oc.local_steps_schedule)
+    if oc.fragments > 1:
+        H += f" in {oc.fragments} fragments (a round syncs one: {oc.round_steps_at(0)} steps; τ = " \
+             f"{oc.fragment_delay}, α = {oc.fragment_mix:g})"
+    elif oc.streaming:
+        H += f" (τ = {oc.fragment_delay}, α = {oc.fragment_mix:g})"
     return (f"{cfg.project_name}: {oc.num_workers} workers x {oc.rounds} rounds x {H}, outer step "
             f"{outer_step_words(oc.lr, oc.momentum, oc.nesterov)}, model {cfg.model.name}, data "
             f"{'fake' if cfg.data.fake_data else cfg.data.dataset} -> {cfg.run_dir}")

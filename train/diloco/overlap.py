@@ -85,6 +85,7 @@ class Synchronous:
     """outer.overlap = "none": a worker trains round r from θ_r and waits for θ_{r+1} after publishing."""
     rounds_ahead = 0  # rounds past the latest commit a worker may train (segment r + 1 while round r is open: 1)
     trains_ahead = False  # training goes on while the round's files are written (in-place tensors must be copied)
+    restores = False  # its state snapshot holds tensors of its own (`saved_progress`), loaded by `restore`
 
     def __init__(self, oc):
         self.oc = oc
@@ -144,6 +145,7 @@ class Delayed(Synchronous):
     """outer.overlap = "delayed": x_{k+1} = θ_k + p_k, θ_{k+1} folded in during segment k + 1 (docs/overlap.md)."""
     rounds_ahead = 1
     trains_ahead = True
+    restores = True
 
     def __init__(self, oc):
         super().__init__(oc)
@@ -286,5 +288,10 @@ POLICIES = {"none": Synchronous, "delayed": Delayed, "eager": Eager}
 
 
 def for_config(oc) -> Synchronous:
-    """The policy of outer.overlap (`oc`: the outer section)."""
+    """The policy of outer.overlap, or streaming DiLoCo's (outer.fragments / fragment_delay / fragment_mix, which
+    refuse an outer.overlap): `oc` is the outer section."""
+    if getattr(oc, "streaming", False):
+        from train.diloco.streaming import Streaming
+
+        return Streaming(oc)
     return POLICIES[oc.overlap](oc)

@@ -55,11 +55,12 @@ class ResumeState:
             return
         self.load_optimizer(f, st.get("opt_extra", st))
         self.fresh_moments = False
-        if self.dist.main and (self.residual is not None or self.overlap.trains_ahead):
+        if self.dist.main and (self.residual is not None or self.overlap.restores):
             saved = dict(iter_tensors(f))
             if self.residual is not None:
                 self.residual.load(saved)
-            self.overlap.restore(saved)  # our progress p_k (overlap): the next segment starts from θ_k + p_k
+            # our progress p_k (overlap: the next segment starts from θ_k + p_k), or our own model (streaming)
+            self.overlap.restore(saved)
         log.info("resumed worker state: last round done %d, optimizer state of round %d, inner step %d",
                  st["round_done"], st["opt_round"], self.trainer.step)
 

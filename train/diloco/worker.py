@@ -132,8 +132,8 @@ class Worker(ResumeState):
         self.data = TokenData.open(Path(start["data"]), cfg.data.seq_length, cfg.data.eval_fraction)
         self.state = start["state"]
         self.delta_codec, self.back_codec = exchange_codecs(cfg.outer)
-        self.residual = Residual(self.delta_codec) if self.back_codec is not None else None
-        self.theta = GlobalTheta(self.paths, self.back_codec) if main else None
+        self.residual = Residual(self.delta_codec) if cfg.outer.compression != "none" else None
+        self.theta = GlobalTheta(self.paths, self.back_codec, cfg.outer.fragments) if main else None
         self.overlap = for_config(cfg.outer)  # none / delayed / eager: where a segment starts, its hand-off
         self.snap = OneSlot("state-snapshot")    # the state snapshot, written in the background
         self.trained = -1  # the last round this process trained (its publication may still be in flight)
@@ -293,7 +293,7 @@ class Worker(ResumeState):
     def train_round(self, r: int, replay: bool = False) -> None:
         """Segment r (steps 1-5 above; with overlap docs/overlap.md): start it where the overlap policy says, train
         its H inner steps on our slice of round r's data, hand the delta over."""
-        H = self.cfg.outer.local_steps_at(r)
+        H = self.cfg.outer.round_steps_at(r)
         seg = self.overlap.begin(self, r, H, replay)  # the model at the segment's start; what Δ is taken against
         # fresh moments this segment (not the reset_state variant, where every worker's are): the sidecar says so
         fresh, self.fresh_moments = self.fresh_moments and not self.cfg.inner.reset_state, False
@@ -342,7 +342,9 @@ class Worker(ResumeState):
         pending = self.paths.worker_pending_delta(self.w, r)
         if replay:
             pending = pending.with_name(f".replay-{pending.name}")
-        file = write_delta(pending, self.theta.names, theta_r, params, self.delta_codec, r, self.w, self.residual)
+        fr = self.theta.frags  # round r's fragment (the whole model without streaming DiLoCo's fragments)
+        file = write_delta(pending, fr.pieces(r), fr.view(r, theta_r), fr.view(r, params), self.delta_codec, r,
+                           self.w, self.residual)
         if replay:
             sharedfs.unlink(pending)
             published = self.state["sidecar"]["sha256"] if self.state["round_done"] == r else None
@@ -382,7 +384,7 @@ class Worker(ResumeState):
             if lay is None:
                 raise ProtocolError(f"{Layout.path(self.paths)} is missing (the coordinator writes it at round 0)")
             offset, windows = lay.slice(r, self.w)
-            need = self.cfg.outer.local_steps_at(r) * self.cfg.inner.total_batch_size
+            need = self.cfg.outer.round_steps_at(r) * self.cfg.inner.total_batch_size
             if need > windows:
                 raise ConfigError(f"worker {self.w} would read {need} windows in round {r} (outer.local_steps x "
                                   f"inner.total_batch_size) but the run gives each worker {windows}: start it with "

@@ -44,7 +44,9 @@ def exchange_codecs(oc) -> tuple[Codec, Codec | None]:
     from train.exchange.codec import get_codec
 
     if oc.compression == "none":
-        return get_codec(oc.delta_dtype), None
+        # streaming DiLoCo's fragments: a round commits one fragment, as an fp32 update of it (θ_{r+1} = θ_r + u on
+        # every copy), not the whole model (docs/streaming.md)
+        return get_codec(oc.delta_dtype), (get_codec("float32") if getattr(oc, "fragments", 1) > 1 else None)
     if oc.compression == "topk":  # the sparse deltas are the way back too (train/exchange/sparse.py)
         from train.exchange.sparse import get_sparse_codec
 
@@ -77,8 +79,9 @@ class OuterMaster:
     def __init__(self, paths: DiLoCoPaths, oc, last_round: int):
         self.paths, self.oc, self.last_round = paths, oc, last_round
         self.delta_codec, self.codec = exchange_codecs(oc)
-        self.theta = GlobalTheta(paths, self.codec)
+        self.theta = GlobalTheta(paths, self.codec, getattr(oc, "fragments", 1))
         self.names, self.shapes = self.theta.names, self.theta.shapes
+        self.frags = self.theta.frags  # round r steps fragment r mod P's pieces (every tensor with P = 1)
         self.momentum: dict[str, torch.Tensor] = {}
         self.phases = NO_PHASES  # where the tail's time goes (bench/outer_step.py sets a Phases)
         # topk: every copy sums the sparse deltas itself: no update, no residual of ours, no momentum (SparseLoCo)
@@ -97,11 +100,11 @@ class OuterMaster:
         if self.sparse:
             from train.exchange.sparse import SparseAccumulator
 
-            acc = SparseAccumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted,
+            acc = SparseAccumulator(self.paths, r, self.frags.shapes(r), self.delta_codec, self.oc.token_weighted,
                                     screen=getattr(self.oc, "screen", False))
             acc.phases = self.phases
             return acc
-        return Accumulator(self.paths, r, self.shapes, self.delta_codec, self.oc.token_weighted,
+        return Accumulator(self.paths, r, self.frags.shapes(r), self.delta_codec, self.oc.token_weighted,
                            screen=getattr(self.oc, "screen", False), phases=self.phases)
 
     def is_checkpoint_round(self, r: int) -> bool:
@@ -135,9 +138,10 @@ class OuterMaster:
             late = {int(w[1:]): v for w, v in (rec.get("late") or {}).items()}
             try:
                 for w in rec.get("workers", []):
-                    acc.add(w, check_sidecar(self.paths, k, w, self.delta_codec))
+                    acc.add(w, check_sidecar(self.paths, k, w, self.delta_codec, acc.shapes))
                 for w, v in late.items():
-                    acc.add(w, check_sidecar(self.paths, k - 1, w, self.delta_codec), late_weight=v["weight"])
+                    acc.add(w, check_sidecar(self.paths, k - 1, w, self.delta_codec, acc.shapes),
+                            late_weight=v["weight"])
             except RejectedDelta as e:
                 raise ProtocolError(f"cannot replay round {k} from the deltas on disk ({e}); the run's files "
                                     f"were changed after the commit") from None
@@ -146,13 +150,13 @@ class OuterMaster:
             if rec.get("update_sha256") and sha != rec["update_sha256"]:
                 log.warning("replaying round %d gave a different update than the committed one (non-deterministic "
                             "kernels?); continuing from the committed update", k)
-                u, _ = read_update(self.paths, k + 1, self.codec, self.shapes)
-                for n in self.names:  # what every copy applied, and the residual that goes with it
+                u, _ = read_update(self.paths, k + 1, self.codec, self.frags.shapes(k))
+                for n in self.frags.pieces(k):  # what every copy applied, and the residual that goes with it
                     self.residual.error[n] = self._pre[n] - u[n]
-                    self.theta.tensors[n] = self.theta.tensors[n].add(u[n])
+                    self.frags.put(self.theta.tensors, n, self.frags.get(self.theta.tensors, n).add(u[n]))
             else:
-                for n in self.names:
-                    self.theta.tensors[n] = self.theta.tensors[n].add(self._seen[n])
+                for n in self.frags.pieces(k):
+                    self.frags.put(self.theta.tensors, n, self.frags.get(self.theta.tensors, n).add(self._seen[n]))
             self.theta.round = k + 1
             self.theta.verify(k + 1)
         if r > c:
@@ -165,7 +169,7 @@ class OuterMaster:
         fd, tmp = tempfile.mkstemp(suffix=".safetensors")
         os.close(fd)
         try:
-            return self._write_update(Path(tmp), stored, self.theta.round + 1)[0]
+            return self._write_update(Path(tmp), stored, self.theta.round + 1, self.theta.round)[0]
         finally:
             Path(tmp).unlink(missing_ok=True)
 
@@ -178,8 +182,8 @@ class OuterMaster:
         stored: dict[str, torch.Tensor] = {}
         new_theta: dict[str, torch.Tensor] = {}
         self._seen, self._pre = {}, {}
-        for n in self.names:
-            theta = self.theta.tensors[n]
+        for n in self.frags.pieces(r):
+            theta = self.frags.get(self.theta.tensors, n)
             new, self.momentum[n] = outer_step_tensor(theta, acc.mean(n), self.momentum.get(n), lr, oc.momentum,
                                                       oc.nesterov)
             if self.codec is None:
@@ -238,10 +242,11 @@ class OuterMaster:
             publish_dir(self.paths.global_dir(r + 1), fill)
         return nbytes[-1] + mw.nbytes
 
-    def _write_update(self, path: Path, stored: dict[str, torch.Tensor], r: int) -> tuple[str, int]:
+    def _write_update(self, path: Path, stored: dict[str, torch.Tensor], r: int, step_round: int) -> tuple[str, int]:
+        """The update file of round r (`step_round` = r − 1: the round whose fragment it updates)."""
         specs = {}
-        for n in self.names:
-            specs.update(self.codec.specs(n, self.shapes[n]))
+        for n, shape in self.frags.shapes(step_round).items():
+            specs.update(self.codec.specs(n, shape))
         with StreamingWriter(path, specs, {"round": str(r), **self.codec.metadata()}, phases=self.phases) as wr:
             for k in specs:
                 wr.write(k, stored[k])
@@ -259,7 +264,9 @@ class OuterMaster:
             lr = outer_lr_at(r, self.oc) if lr is None else lr
             fields["sparse_step"] = {"lr": lr, "token_weighted": bool(self.oc.token_weighted)}
             with self.phases("sums of the sparse deltas, outer step"):
-                stored, new_theta = {}, {n: sparse_step(self.theta.tensors[n], acc.mean(n), lr) for n in self.names}
+                stored, new_theta = {}, dict(self.theta.tensors)
+                for n in self.frags.pieces(r):
+                    self.frags.put(new_theta, n, sparse_step(self.frags.get(self.theta.tensors, n), acc.mean(n), lr))
         elif self.codec is None:  # θ_{r+1} and the momentum, computed and written together
             written += self._step_full(r, acc, lr)
             self.theta.round = r + 1
@@ -271,12 +278,12 @@ class OuterMaster:
         if self.codec is None or self.sparse:
             self.theta.tensors = new_theta
         else:
-            sha, nbytes = self._write_update(self.paths.update_file(r + 1), stored, r + 1)
+            sha, nbytes = self._write_update(self.paths.update_file(r + 1), stored, r + 1, r)
             written += nbytes
             fields["update_sha256"] = sha
             with self.phases("θ + decoded update"):
-                for n in self.names:
-                    self.theta.tensors[n] = self.theta.tensors[n].add(self._seen[n])
+                for n in self.frags.pieces(r):
+                    self.frags.put(self.theta.tensors, n, self.frags.get(self.theta.tensors, n).add(self._seen[n]))
         self.theta.round = r + 1
         checkpoint = self.is_checkpoint_round(r + 1)
         if checkpoint:

@@ -90,9 +90,10 @@ def publish_sidecar(paths: DiLoCoPaths, sidecar: dict) -> None:
     atomic_write_json(paths.delta_meta(sidecar["round"], sidecar["worker"]), sidecar)
 
 
-def check_sidecar(paths: DiLoCoPaths, r: int, w: int, codec: "Codec | str") -> dict:
+def check_sidecar(paths: DiLoCoPaths, r: int, w: int, codec: "Codec | str", shapes: dict | None = None) -> dict:
     """Cheap checks before reading tensors: sidecar fields, round, worker, size, and the header against the codec
-    (`codec`: a Codec or a dtype name) and the global model's shapes."""
+    (`codec`: a Codec or a dtype name) and the shapes the delta must have (`shapes`: the round's fragment; default
+    the global model's)."""
     try:
         meta = read_json(paths.delta_meta(r, w))
     except (OSError, ValueError) as e:
@@ -119,9 +120,11 @@ def check_sidecar(paths: DiLoCoPaths, r: int, w: int, codec: "Codec | str") -> d
     except (ValueError, OSError) as e:
         raise RejectedDelta(w, f"not a safetensors file ({e})")
     codec = get_codec(codec) if isinstance(codec, str) else codec
-    g, _ = read_header(paths.global_dir(0) / WEIGHTS)
+    if shapes is None:
+        g, _ = read_header(paths.global_dir(0) / WEIGHTS)
+        shapes = {n: tuple(i["shape"]) for n, i in g.items()}
     try:
-        codec.check_header(header, {n: tuple(i["shape"]) for n, i in g.items()}, fmeta)
+        codec.check_header(header, shapes, fmeta)
     except CodecError as e:
         raise RejectedDelta(w, str(e))
     return meta

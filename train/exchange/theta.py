@@ -77,7 +77,9 @@ def read_update(paths: DiLoCoPaths, r: int, codec: Codec,
 class GlobalTheta:
     """θ_r as float32 CPU tensors in the global file's order, advanced round by round (see the module doc)."""
 
-    def __init__(self, paths: DiLoCoPaths, codec: Codec | None):
+    def __init__(self, paths: DiLoCoPaths, codec: Codec | None, fragments: int = 1):
+        from train.exchange.fragments import Fragments
+
         self.paths = paths
         self.codec = codec            # None: the full model is published every round (no compression)
         self.round: int | None = None
@@ -85,6 +87,8 @@ class GlobalTheta:
         self.names: list[str] = file_order(paths.global_dir(0) / WEIGHTS)
         h, _ = read_header(paths.global_dir(0) / WEIGHTS)
         self.shapes = {n: tuple(h[n]["shape"]) for n in self.names}
+        # streaming DiLoCo: the update of round k holds the pieces of the fragment round k − 1 synced
+        self.frags = Fragments(self.shapes, fragments)
         self.bytes_read = 0           # BASE_DIR bytes read since the last `take_bytes()`
 
     def take_bytes(self) -> int:
@@ -161,16 +165,17 @@ class GlobalTheta:
         if not isinstance(step, dict):
             raise ProtocolError(f"{self.paths.committed(k)}: no sparse_step (outer lr) in the commit record of a "
                                 f"topk run: written by another version? Restart the run with this version")
-        acc = SparseAccumulator(self.paths, k - 1, self.shapes, self.codec, bool(step["token_weighted"]))
+        acc = SparseAccumulator(self.paths, k - 1, self.frags.shapes(k - 1), self.codec, bool(step["token_weighted"]))
         try:
             for q, w, late in ins:
-                acc.add(w, check_sidecar(self.paths, q, w, self.codec), late_weight=late)
+                acc.add(w, check_sidecar(self.paths, q, w, self.codec, acc.shapes), late_weight=late)
         except RejectedDelta as e:
             raise ProtocolError(f"round {k}: a delta the commit accepted does not check here ({e}): the run's "
                                 f"files changed after the commit") from None
         self.bytes_read += acc.bytes_read
-        for n in self.names:
-            self.tensors[n] = sparse_step(self.tensors[n], acc.mean(n), float(step["lr"]))
+        for n in self.frags.pieces(k - 1):
+            new = sparse_step(self.frags.get(self.tensors, n), acc.mean(n), float(step["lr"]))
+            self.frags.put(self.tensors, n, new)
         self.round = k
         self.verify(k)
 
@@ -178,10 +183,10 @@ class GlobalTheta:
         """θ_k = θ_{k−1} + decode(u_k), then check θ_k's checksum against the commit record."""
         if getattr(self.codec, "sparse", False):
             return self.apply_sparse(k)
-        u, nbytes = read_update(self.paths, k, self.codec, self.shapes)
+        u, nbytes = read_update(self.paths, k, self.codec, self.frags.shapes(k - 1))
         self.bytes_read += nbytes
-        for n in self.names:
-            self.tensors[n] = self.tensors[n].add(u[n])
+        for n in self.frags.pieces(k - 1):
+            self.frags.put(self.tensors, n, self.frags.get(self.tensors, n).add(u[n]))
         self.round = k
         self.verify(k)
 
