@@ -507,7 +507,8 @@ class Coordinator:
         """Delete rounds older than the last `keep_rounds` committed ones (θ_0 stays: it is the run's template)."""
         # overlap: workers start a segment from θ_{r−1} while round r is open: keep one round more
         oc = self.cfg.outer
-        prune_rounds(self.paths, latest, oc.keep_rounds + self.overlap.rounds_ahead,
+        # streaming DiLoCo: a restarted worker replays up to P − 1 rounds since its last snapshot (snapshot_due)
+        prune_rounds(self.paths, latest, max(oc.keep_rounds, oc.fragments) + self.overlap.rounds_ahead,
                      before_checkpoint=int(oc.late_weight > 0 and oc.compression != "none"))
 
     # -- the whole run --------------------------------------------------------------------------------------------

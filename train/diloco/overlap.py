@@ -119,6 +119,10 @@ class Synchronous:
         """Before the worker's copy of θ is used for round r: a read ahead of it is done (its error raised)."""
 
     # -- replays and the private state ----------------------------------------------------------------------------
+    def snapshot_due(self, r: int) -> bool:
+        """Whether round r's state snapshot is written (rounds after the last one are replayed on a restart)."""
+        return True
+
     def fold_step(self, r: int) -> int | None:
         """After how many steps segment r folds θ_r in (0: as soon as it is read, adaptive); None: it does not."""
         return None

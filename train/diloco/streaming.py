@@ -127,6 +127,13 @@ class Streaming(Synchronous):
         self.ended = r
 
     # -- the state snapshot: our own model ----------------------------------------------------------------------------
+    def snapshot_due(self, r: int) -> bool:
+        """Once a cycle (the round that syncs fragment P − 1), after round 0 and after the last round: a snapshot
+        is the moments and our own model (3 x the model's bytes), so one per round would write P times DiLoCo's
+        snapshot bytes per H steps to the shared disk; a restart replays at most P − 1 rounds (< H steps) instead."""
+        P = max(1, self.oc.fragments)
+        return r == 0 or r % P == P - 1 or r >= self.oc.rounds - 1
+
     def for_background(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.trains_ahead:
             return tensors

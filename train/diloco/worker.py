@@ -351,10 +351,12 @@ class Worker(ResumeState):
             if published is not None and published != file["sha256"]:
                 log.warning("round %d: the replayed delta differs from the published one (non-deterministic "
                             "kernels?); the state goes on from the replay", r)
-            self.snapshot_state(r, opt_tensors)
+            if self.overlap.snapshot_due(r):
+                self.snapshot_state(r, opt_tensors)
             return
         self.finish_round(r, file, meta, data, self.sampler.position, self.trainer.extra_state())
-        self.snapshot_state(r, opt_tensors)
+        if self.overlap.snapshot_due(r):  # (streaming DiLoCo: once a cycle of P rounds; the rest are replayed)
+            self.snapshot_state(r, opt_tensors)
 
     def finish_round(self, r: int, file: dict, meta: dict, data: dict, position: int, extra: dict) -> None:
         """The delta of round r is in our pending file: write our resume point (small, synchronous: the round is
