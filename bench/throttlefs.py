@@ -60,8 +60,10 @@ kernel, uninterruptible, as on NFS), `{"enospc": true}` fails every create, writ
 Counting (`--count-file FILE`, bench/scale.py): every call the kernel sends is counted by operation name, and each
 listing's names and the kernel's READDIR requests it takes (one per 4 KB of FUSE dirents: 24 bytes + the name,
 8-aligned, as the kernel asks for them, and as an NFS client reads a big folder in several READDIR RPCs). The counts
-go to FILE as JSON ({"ops": {op: n}, "readdir_names": n, "readdir_pages": n, "time": ...}, atomically: temp +
-rename) every 0.2 s while they change and when the mount ends. Without it nothing is counted.
+go to FILE as JSON ({"ops": {op: n}, "readdir_names": n, "readdir_pages": n, "written_per_s": {folder: {second:
+bytes}}, "time": ...}, atomically: temp + rename) every 0.2 s while they change and when the mount ends; the bytes
+written are binned by wall-clock second and by folder: rounds (the exchange), workers (private state), other
+(bench/streaming.py's peak write rate). Without it nothing is counted.
 
 Needs /dev/fuse, libfuse2 and `pip install fusepy` (root, or fusermount for a user); bench and tests only, nothing in
 train/ uses it.
@@ -188,6 +190,9 @@ class Counts:
         self.path, self.every = path, every
         self.ops: dict[str, int] = {}
         self.names = self.pages = 0
+        # bytes written per second of the wall clock, by the folder they went to: rounds/ (the exchange: deltas,
+        # updates, global models), workers/ (private state: snapshots, leases) and the rest (bench/streaming.py)
+        self.written_per_s: dict[str, dict[int, int]] = {}
         self.lock = threading.Lock()
         self.changed = True
         self.written = threading.Event()
@@ -196,6 +201,15 @@ class Counts:
     def op(self, op: str) -> None:
         with self.lock:
             self.ops[op] = self.ops.get(op, 0) + 1
+            self.changed = True
+
+    def wrote(self, path: str, n: int) -> None:
+        top = path.lstrip("/").split("/")
+        kind = next((k for k in ("rounds", "workers") if k in top[:3]), "other")
+        sec = int(time.time())
+        with self.lock:
+            per = self.written_per_s.setdefault(kind, {})
+            per[sec] = per.get(sec, 0) + n
             self.changed = True
 
     def listing(self, names: list[str]) -> None:
@@ -210,6 +224,7 @@ class Counts:
             if not self.changed:
                 return
             rec = {"ops": dict(self.ops), "readdir_names": self.names, "readdir_pages": self.pages,
+                   "written_per_s": {k: {str(t): b for t, b in v.items()} for k, v in self.written_per_s.items()},
                    "time": time.time()}
             self.changed = False
         tmp = f"{self.path}.tmp{os.getpid()}"
@@ -305,6 +320,8 @@ def make_ops(root: str, bucket: Bucket, faults: Faults | None = None, control: C
 
         def write(self, path, data, offset, fh):
             bucket.take(len(data))
+            if counts is not None:
+                counts.wrote(path, len(data))
             return os.pwrite(fh, data, offset)
 
         def truncate(self, path, length, fh=None):

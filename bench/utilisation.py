@@ -36,9 +36,10 @@ from pathlib import Path
 from common import REPO, fold_steps, fold_summary, overlap_sets, save_result, table
 
 
-def mount(backing: Path, mnt: Path, mbps: float) -> subprocess.Popen:
+def mount(backing: Path, mnt: Path, mbps: float, extra: list[str] | None = None) -> subprocess.Popen:
+    """BASE_DIR's FUSE layer (bench/throttlefs.py) at `mbps` (0: uncapped), with throttlefs's `extra` arguments."""
     proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "throttlefs.py"), str(backing), str(mnt),
-                             "--mbps", str(mbps)], stderr=subprocess.PIPE, text=True)
+                             "--mbps", str(mbps), *(extra or [])], stderr=subprocess.PIPE, text=True)
     for _ in range(100):
         if subprocess.run(["mountpoint", "-q", str(mnt)]).returncode == 0:
             return proc

@@ -8,7 +8,8 @@ import torch
 
 from train.config import OuterConfig
 from train.exchange.outer import eager_gain
-from train.diloco.overlap import Delayed, Eager, Fold, Segment, Synchronous, for_config
+from train.diloco.overlap import Delayed, Eager, Fold, Segment, Synchronous
+from train.diloco.policy import for_config
 
 NAMES = ["a", "b"]
 

@@ -32,7 +32,7 @@ from train.exchange.membership import Membership, workers_alive
 from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
 from train.exchange.reduce import arrived, prune_rounds
 from train.exchange.screen import STREAK, screen_round
-from train.diloco.overlap import for_config
+from train.diloco.policy import for_config
 from train.status.recorder import TimelineRecorder
 from train.core.store import (
     NO_LOCK,

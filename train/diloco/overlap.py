@@ -289,13 +289,3 @@ class Eager(Delayed):
 
 
 POLICIES = {"none": Synchronous, "delayed": Delayed, "eager": Eager}
-
-
-def for_config(oc) -> Synchronous:
-    """The policy of outer.overlap, or streaming DiLoCo's (outer.fragments / fragment_delay / fragment_mix, which
-    refuse an outer.overlap): `oc` is the outer section."""
-    if getattr(oc, "streaming", False):
-        from train.diloco.streaming import Streaming
-
-        return Streaming(oc)
-    return POLICIES[oc.overlap](oc)

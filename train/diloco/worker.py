@@ -48,7 +48,7 @@ from train.core.inner import InnerTrainer
 from train.core.background import OneSlot
 from train.core.coordinator_lease import CoordinatorWatch
 from train.core.heartbeat import Heartbeat
-from train.diloco.overlap import for_config
+from train.diloco.policy import for_config
 from train.diloco.resume import ResumeState
 from train.exchange.codec import Residual
 from train.exchange.layout import Layout
