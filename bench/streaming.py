@@ -11,8 +11,8 @@ bytes        4 workers, the default 4-block Llama, H = --H, 3 cycles (3·P round
              From metrics.jsonl: the largest single sync (the deltas a round averages, `bytes_deltas`), against
              P = 1's (target <= 1.1 / P); the delta bytes per H steps (target: unchanged); the bytes a commit
              writes (the global model or the fragment's update; the periodic fp32 checkpoint apart). From the FUSE
-             layer: the peak write rate over 1-second windows while the run trains, of the exchange (rounds/) and of
-             everything (with the workers' state snapshots, workers/).
+             layer: the peak write rate over 1-second windows while the run trains, of the exchange (deltas,
+             updates, global models) and of everything (with the workers' state snapshots).
 quality      the shipped corpus in bench/scaling.py's regime (configs/scaling-llama.json, 4 blocks; global batch of
              8 windows x 64 tokens; AdamW 0.9/0.99, warmup + cosine, weight decay 1/T), M = 2 workers, H = 32, T =
              --steps inner steps, the paper's outer step (Nesterov 0.9, outer lr 0.4: bench/scaling.py's best at
@@ -95,14 +95,17 @@ def bytes_part(args) -> dict:
             unmount(mnt, fs)
         counts = json.loads(counts_f.read_text())
         syncs = [r for r in recs if r["round"] >= 1]
-        t0, t1 = recs[0]["time"], syncs[-1]["time"]
+        # from round 0's commit to the commit before the last: the last one writes the fp32 checkpoint and the
+        # outer state (every P; with P = 1 every commit does)
+        t0, t1 = recs[0]["time"], syncs[-2]["time"]
         commit = [r["bytes_written"] for r in syncs if P == 1 or not r.get("checkpoint")]
         out[P] = {"rounds": len(syncs), "largest_sync": max(r["bytes_deltas"] for r in syncs),
                   "deltas_per_H": sum(r["bytes_deltas"] for r in syncs) / args.cycles,
                   "commit_bytes": statistics.median(commit),
                   "checkpoint_bytes": max((r["bytes_written"] for r in syncs if r.get("checkpoint")), default=0),
-                  "peak_exchange_MBps": peak_rate(counts, ("rounds",), t0, t1),
-                  "peak_all_MBps": peak_rate(counts, ("rounds", "workers", "other"), t0, t1),
+                  "peak_exchange_MBps": peak_rate(counts, ("exchange",), t0, t1),
+                  "peak_all_MBps": peak_rate(counts, ("exchange", "state", "other"), t0, t1),
+                  "sync_every_s": statistics.median(b["time"] - a["time"] for a, b in zip(syncs, syncs[1:])),
                   "seconds": wall}
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"  bytes P={P}: {out[P]}", flush=True)
@@ -110,10 +113,12 @@ def bytes_part(args) -> dict:
     rows = [[P, m["rounds"], f"{m['largest_sync'] / 1e6:.2f} MB", f"{m['largest_sync'] / base['largest_sync']:.3f}",
              f"{1.1 / P:.3f}", f"{m['deltas_per_H'] / base['deltas_per_H']:.3f}", f"{m['commit_bytes'] / 1e6:.2f} MB",
              f"{m['peak_exchange_MBps']:.1f} ({m['peak_exchange_MBps'] / base['peak_exchange_MBps']:.2f}x)",
-             f"{m['peak_all_MBps']:.1f} ({m['peak_all_MBps'] / base['peak_all_MBps']:.2f}x)"] for P, m in out.items()]
+             f"{m['peak_all_MBps']:.1f} ({m['peak_all_MBps'] / base['peak_all_MBps']:.2f}x)",
+             f"{m['sync_every_s']:.1f} s"] for P, m in out.items()]
     print(f"\nbytes: {args.workers} workers, configs/tiny-llama.json, H = {args.H}, {args.cycles} cycles (3·P rounds)")
     print(table(rows, ["P", "rounds", "largest sync (deltas)", "vs P=1", "target <=", "delta bytes per H vs P=1",
-                       "commit per sync", "peak exchange write MB/s (1 s)", "peak write MB/s, all (1 s)"]))
+                       "commit per sync", "peak exchange write MB/s (1 s)", "peak write MB/s, all (1 s)",
+                       "a sync every"]))
     return out
 
 
@@ -221,6 +226,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.P[0] != 1:
         raise SystemExit("--P: the first value is the baseline and must be 1")
+    if args.cycles < 2:
+        raise SystemExit("--cycles must be >= 2 (P = 1's utilisation is measured between rounds)")
     if args.quick:
         args.P, args.seeds, args.steps = [1, max(args.P)], args.seeds[:1], 640
     t = time.perf_counter()

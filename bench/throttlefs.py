@@ -62,7 +62,8 @@ listing's names and the kernel's READDIR requests it takes (one per 4 KB of FUSE
 8-aligned, as the kernel asks for them, and as an NFS client reads a big folder in several READDIR RPCs). The counts
 go to FILE as JSON ({"ops": {op: n}, "readdir_names": n, "readdir_pages": n, "written_per_s": {folder: {second:
 bytes}}, "time": ...}, atomically: temp + rename) every 0.2 s while they change and when the mount ends; the bytes
-written are binned by wall-clock second and by folder: rounds (the exchange), workers (private state), other
+written are binned by wall-clock second and by what they are: exchange (under rounds/, and a worker's delta-r*
+files, written privately and then renamed into rounds/), state (opt-r*: the workers' snapshots), other
 (bench/streaming.py's peak write rate). Without it nothing is counted.
 
 Needs /dev/fuse, libfuse2 and `pip install fusepy` (root, or fusermount for a user); bench and tests only, nothing in
@@ -190,8 +191,8 @@ class Counts:
         self.path, self.every = path, every
         self.ops: dict[str, int] = {}
         self.names = self.pages = 0
-        # bytes written per second of the wall clock, by the folder they went to: rounds/ (the exchange: deltas,
-        # updates, global models), workers/ (private state: snapshots, leases) and the rest (bench/streaming.py)
+        # bytes written per second of the wall clock, by what they are: exchange (deltas, updates, global models),
+        # state (the workers' snapshots) and other (leases, metrics, the data cache): bench/streaming.py
         self.written_per_s: dict[str, dict[int, int]] = {}
         self.lock = threading.Lock()
         self.changed = True
@@ -204,8 +205,10 @@ class Counts:
             self.changed = True
 
     def wrote(self, path: str, n: int) -> None:
-        top = path.lstrip("/").split("/")
-        kind = next((k for k in ("rounds", "workers") if k in top[:3]), "other")
+        parts = path.lstrip("/").split("/")
+        name = parts[-1]
+        kind = ("exchange" if "rounds" in parts[:3] or "delta-r" in name else  # a worker writes its delta privately
+                "state" if "opt-r" in name else "other")                       # first, then renames it into rounds/
         sec = int(time.time())
         with self.lock:
             per = self.written_per_s.setdefault(kind, {})
