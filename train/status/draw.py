@@ -60,8 +60,11 @@ def draw_timeline(tl: Timeline, out: Path, title: str = "") -> None:
     if tl.boundaries:
         ticks = tl.boundaries if len(tl.boundaries) <= 30 else tl.boundaries[::max(1, len(tl.boundaries) // 30)]
         top = ax.secondary_xaxis("top")
-        top.set_xticks([t - t0 for _, t in ticks], [str(k) for k, _ in ticks], fontsize=7)
-        top.set_xlabel("round committed" if tl.strategy == "diloco" else "generation committed", fontsize=8)
+        # streaming DiLoCo: each commit syncs one fragment, named under its round (f0, f1, ...)
+        top.set_xticks([t - t0 for _, t in ticks], [f"{k}\nf{tl.fragments[k]}" if k in tl.fragments else str(k)
+                                                    for k, _ in ticks], fontsize=7)
+        top.set_xlabel(("round committed" + (" (fN: the fragment it synced)" if tl.fragments else ""))
+                       if tl.strategy == "diloco" else "generation committed", fontsize=8)
     ax.set_yticks(range(n), list(reversed(names)))
     ax.set_ylim(-0.7, n - 0.2)
     ax.set_xlim(0, max(tl.t1 - t0, 1e-3) * 1.01)
@@ -76,6 +79,13 @@ def draw_timeline(tl: Timeline, out: Path, title: str = "") -> None:
     if len(tl.bytes) > 200:  # a long run: one collection of lines, not a patch per round (bar() costs ~4 ms each)
         bx.vlines([k for k, _ in tl.bytes], 0, [b / 1e6 for _, b in tl.bytes], colors="#5c6bc0",
                   linewidth=max(0.3, 600 / len(tl.bytes)))
+    elif tl.bytes and tl.fragments:  # one colour per fragment: the staggered syncs of streaming DiLoCo
+        P = max(tl.fragments.values()) + 1
+        cmap = matplotlib.colormaps["tab10"]
+        for p in range(P):
+            ks = [(k, b) for k, b in tl.bytes if tl.fragments.get(k) == p]
+            bx.bar([k for k, _ in ks], [b / 1e6 for _, b in ks], color=cmap(p % 10), label=f"fragment {p}")
+        bx.legend(fontsize=6, frameon=False, ncol=min(P, 4))
     elif tl.bytes:
         bx.bar([k for k, _ in tl.bytes], [b / 1e6 for _, b in tl.bytes], color="#5c6bc0")
     bx.set_xlabel("round" if tl.strategy == "diloco" else "generation")

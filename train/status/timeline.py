@@ -79,6 +79,7 @@ class Timeline:
     boundaries: list[tuple[int, float]]            # (round / generation committed, when)
     bytes: list[tuple[int, int]]                   # (round / generation, bytes that crossed BASE_DIR)
     utilisation: dict[str, float]                  # worker lane -> compute time / its span
+    fragments: dict[int, int] = field(default_factory=dict)  # streaming DiLoCo: round committed -> fragment synced
     t0: float = 0.0
     t1: float = 0.0
 
@@ -204,7 +205,8 @@ def _diloco_timeline(root: Path, now: float) -> Timeline:
     lanes.append(_coordinator_lane(recs))
     boundaries = sorted(closes.items())
     nbytes = [(k, int(recs[k].get("bytes_total", 0))) for k in sorted(recs) if k > 0]
-    return _finish(Timeline("diloco", lanes, boundaries, nbytes, util), now)
+    frags = {k: int(recs[k]["fragment"]) for k in sorted(recs) if "fragment" in recs[k]}
+    return _finish(Timeline("diloco", lanes, boundaries, nbytes, util, frags), now)
 
 
 def _worker_segments(lane: Lane, mine: list[dict], closes: dict[int, float]) -> None:

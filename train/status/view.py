@@ -168,6 +168,8 @@ def gather(root: str | Path, now: float | None = None, live: Liveness | None = N
         if strategy == "diloco" and k > 0:
             row["ttq_s"] = _time_to_quorum(tl, k - 1, prev, quorum)
             row["deltas"] = len(rec.get("workers_used") or [])
+            if "fragment" in rec:  # streaming DiLoCo: the fragment this commit synced (docs/streaming.md)
+                row["fragment"] = rec["fragment"]
         row["utilisation"] = _round_utilisation(tl, k, strategy, recs)
         rows.append(row)
 
@@ -257,14 +259,15 @@ def render(v: dict) -> str:
                       w["last_delta"], w["tok_s"]) for w in v["workers"]])
     if v["recent"]:
         lines.append(f"last {unit}s:")
-        head = (unit, "seconds", "to quorum", "deltas", "MB", "utilisation") if v["strategy"] == "diloco" else \
-            (unit, "seconds", "MB", "utilisation")
+        frag = any("fragment" in r for r in v["recent"])
+        head = (unit, *(("fragment",) if frag else ()), "seconds", "to quorum", "deltas", "MB", "utilisation") \
+            if v["strategy"] == "diloco" else (unit, "seconds", "MB", "utilisation")
         rows = []
         for r in v["recent"]:
             mb = None if r.get("bytes") is None else f"{r['bytes'] / 1e6:.2f}"
             ut = None if r.get("utilisation") is None else f"{100 * r['utilisation']:.0f}%"
-            rows.append((r[unit], r["seconds"], r.get("ttq_s"), r.get("deltas"), mb, ut) if v["strategy"] == "diloco"
-                        else (r[unit], r["seconds"], mb, ut))
+            rows.append((r[unit], *((r.get("fragment"),) if frag else ()), r["seconds"], r.get("ttq_s"),
+                         r.get("deltas"), mb, ut) if v["strategy"] == "diloco" else (r[unit], r["seconds"], mb, ut))
         lines += _table(head, rows)
     if v["problems"]:
         lines.append("missing / rejected:")
