@@ -17,7 +17,8 @@ quality      the shipped corpus in bench/scaling.py's regime (configs/scaling-ll
              8 windows x 64 tokens; AdamW 0.9/0.99, warmup + cosine, weight decay 1/T), M = 2 workers, H = 32, T =
              --steps inner steps, the paper's outer step (Nesterov 0.9, outer lr 0.4: bench/scaling.py's best at
              M = 2, with its inner lr 0.006): P = 1 against P = 2 and 4, with τ = 0 (α = 0) and the overlapped
-             τ = --tau with α = 0.5, fp32 and int4 values, on --seeds; the change of the final eval loss against
+             τ = --tau with α = 0.5, fp32 and int4 values, on --seeds, and an ablation that tells τ from α (the
+             mix alone at P = 1, the overlap alone at the largest P); the change of the final eval loss against
              P = 1 of the same seed and codec (the paper reports equal quality).
 utilisation  4 workers, BASE_DIR capped at --mbps (one shared link), P = 1 against P = 4 with τ = 0 and τ = --tau:
              busy / wall per worker from its sidecars (bench/utilisation.py's measure).
@@ -124,13 +125,20 @@ def bytes_part(args) -> dict:
 
 # -- quality ----------------------------------------------------------------------------------------------------------
 def quality_rows(args) -> list[dict]:
+    """The main rows (P = 1; each P at τ = 0 and at τ > 0 with the paper's α = 0.5) and the ablation that tells τ
+    from α: the mix alone (P = 1, τ = 0, α = 0.5) and the overlap alone (largest P, τ > 0, α = 0)."""
+    def row(P: int, tau: int, alpha: float, codec: str) -> dict:
+        name = f"P={P}" + (f" τ={tau}" if P > 1 or tau else "") + (f" α={alpha:g}" if alpha else "") + f" {codec}"
+        return {"name": name, "P": P, "tau": tau, "alpha": alpha, "codec": codec}
+
     rows = []
     for codec in args.codecs:
-        rows.append({"name": f"P=1 {codec}", "P": 1, "tau": 0, "alpha": 0.0, "codec": codec})
-        for P in [p for p in args.P if p > 1]:
-            rows.append({"name": f"P={P} τ=0 {codec}", "P": P, "tau": 0, "alpha": 0.0, "codec": codec})
-            rows.append({"name": f"P={P} τ={args.tau} α=0.5 {codec}", "P": P, "tau": args.tau, "alpha": 0.5,
-                         "codec": codec})
+        rows.append(row(1, 0, 0.0, codec))
+        if args.rows in ("main", "all"):
+            for P in [p for p in args.P if p > 1]:
+                rows += [row(P, 0, 0.0, codec), row(P, args.tau, 0.5, codec)]
+        if args.rows in ("ablation", "all"):
+            rows += [row(1, 0, 0.5, codec), row(max(args.P), args.tau, 0.0, codec)]
     return rows
 
 
@@ -220,6 +228,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--codecs", nargs="+", default=["none", "int4"], help="outer.compression of the quality rows")
     ap.add_argument("--tau", type=int, default=2, help="τ of the overlapped quality rows (< 32 / P)")
+    ap.add_argument("--rows", choices=["main", "ablation", "all"], default="all",
+                    help="quality rows: main (P at τ = 0 and at τ > 0 with α = 0.5), ablation (the mix alone at "
+                         "P = 1, the overlap alone at the largest P), all")
+    ap.add_argument("--out", default="streaming", help="results name under bench/results/")
     ap.add_argument("--tau-util", type=int, default=4, help="τ of the overlapped utilisation row (< H / P)")
     ap.add_argument("--mbps", type=float, default=10.0, help="the utilisation part's link, MB/s")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -229,13 +241,13 @@ def main() -> None:
     if args.cycles < 2:
         raise SystemExit("--cycles must be >= 2 (P = 1's utilisation is measured between rounds)")
     if args.quick:
-        args.P, args.seeds, args.steps = [1, max(args.P)], args.seeds[:1], 640
+        args.P, args.seeds, args.steps, args.rows = [1, max(args.P)], args.seeds[:1], 640, "main"
     t = time.perf_counter()
     res = {"args": vars(args)}
     for part in args.part:
         res[part] = {"bytes": bytes_part, "quality": quality_part, "utilisation": utilisation_part}[part](args)
     res["seconds"] = time.perf_counter() - t
-    save_result("streaming" + ("-quick" if args.quick else ""), res)
+    save_result(args.out + ("-quick" if args.quick else ""), res)
     print(f"\n{len(args.part)} part(s) in {res['seconds'] / 60:.1f} min")
 
 

@@ -101,3 +101,46 @@ def test_four_int4_fragments_resume_bit_identically_after_random_kills(tmp_path)
     out = run_script("diloco_sim.py", "--config", str(cfg), timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert _same_model(ref, paths)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_a_worker_joins_mid_cycle_and_a_resume_with_fewer_workers_reads_no_window_twice(tmp_path):
+    """P = 2 on the 2-block micro Llama: a third worker started by hand mid-run asks to join and is admitted at a round
+    boundary (whatever fragment that round syncs), starting from the whole global model; the run then resumes with
+    one worker (the others gone): every used delta's data slice is disjoint from every other, the fragment of every
+    commit is its round's, and the run ends with a loadable model."""
+    from tests.helpers.proc import coordinator_pid, held, kill_all, progress_of, start_script
+
+    R = 8
+    cfg = tiny_config(tmp_path / "runs", outer={"fragments": 2, "local_steps": 40, "rounds": R,
+                                                "straggler_factor": 0.0})
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
+    sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", str(path)), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    joiner = None
+    try:
+        wait_until(lambda: paths.committed(1).is_file(), 300, "round 1 committed", sim)
+        with held(coordinator_pid(paths)):
+            joiner = start_script(["-m", "train.diloco.worker", "--config", str(path), "--worker", "2"],
+                                  tmp_path / "joiner.log")
+            wait_until(lambda: progress_of(paths, 2).get("status") == "joining", 120, "the joiner asking", joiner)
+        out, _ = sim.communicate(timeout=500)
+        assert joiner.wait(timeout=120) == 0, (tmp_path / "joiner.log").read_text()[-3000:]
+    finally:
+        kill_all([p for p in (sim, joiner) if p is not None])
+    assert sim.returncode == 0, out[-3000:]
+    seg = read_json(paths.data / "layout.json")["segments"][-1]
+    assert seg["slots"] == 3 and seg["from_round"] < R
+    out = run_script("diloco_sim.py", "--config", str(path), "--workers", "1", "--rounds", str(R + 4), timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    recs = [r for r in read_jsonl(paths.metrics) if r.get("round", 0) > 0]
+    assert [r["round"] for r in recs] == list(range(1, R + 5))
+    assert [r["fragment"] for r in recs] == [(r["round"] - 1) % 2 for r in recs]
+    assert all(r["workers_used"] == [0, 1, 2] for r in recs if seg["from_round"] <= r["round"] - 1 < R)
+    got = [w for r in recs for off, n in r.get("data", {}).values() for w in range(off, off + n)]
+    assert len(got) == len(set(got)), "a window was trained twice"
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(str(paths.final))
