@@ -26,6 +26,7 @@ from train.core.logs import make_metric_logger
 from train.core.model import (build_model, check_model_fits, load_tokenizer, load_weights_into, pick_device,
                               save_model_dir)
 from train.exchange.accumulate import Accumulator
+from train.exchange.expect import Expect
 from train.exchange.layout import Layout
 from train.exchange.master import OuterMaster
 from train.exchange.membership import Membership, workers_alive
@@ -45,6 +46,7 @@ from train.core.store import (
     read_json,
     read_jsonl,
     verify_manifest,
+    wait_for,
 )
 from train.exchange.store import DiLoCoPaths
 
@@ -85,6 +87,7 @@ class Coordinator:
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
         self.evals = OneSlot("evaluate")  # a committed round's evaluation and metrics record, off the critical path
+        self.expect_last = Expect(cfg.outer.poll_interval_s)  # when a round's last delta usually comes
         self._last_rec: dict | None = None  # the last record logged (read from metrics.jsonl once, on a resume)
         # outer.overlap (docs/overlap.md); the coordinator asks it how far past the latest commit workers may train
         self.overlap = for_config(cfg.outer)
@@ -314,7 +317,14 @@ class Coordinator:
                 log.warning("round %d: %.0fs and only %d deltas (min_workers = %d): still waiting (%s)", r,
                             time.monotonic() - t0, len(got), oc.min_workers, d.summary())
                 warned = True
-            time.sleep(oc.poll_interval_s)
+            fast = self.expect_last.interval(time.monotonic() - t0)
+            if fast < oc.poll_interval_s:  # the round's last delta is due: list the deltas folder alone, more often
+                n_got = len(got)
+                wait_for(lambda: len(self.arrived(r)) > n_got, oc.poll_interval_s, fast)
+            else:
+                time.sleep(oc.poll_interval_s)
+        if not why:  # every awaited delta came: when the last one did, for the next rounds' polling (expect.py)
+            self.expect_last.seen(time.monotonic() - t0 - (time.perf_counter() - t_last))
         bar.close()
         self.lease.set("reducing", round=r)
         self.screen(r, acc, rejected)

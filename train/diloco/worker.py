@@ -51,6 +51,7 @@ from train.core.heartbeat import Heartbeat
 from train.diloco.policy import for_config
 from train.diloco.resume import ResumeState
 from train.exchange.codec import Residual
+from train.exchange.expect import Expect
 from train.exchange.layout import Layout
 from train.exchange.master import exchange_codecs
 from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
@@ -88,6 +89,7 @@ class Worker(ResumeState):
         self.dist = DistInfo()  # set by setup(): rank 0 of 1 unless started by torchrun
         self.paths = DiLoCoPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.poll = cfg.outer.poll_interval_s
+        self.expect_commit = Expect(self.poll)  # when the commit usually comes after our delta (expect.py)
         self.hb = Heartbeat(self.paths.progress(worker_id), worker_id)
         # called while waiting: says when the coordinator dies or comes back (train/core/coordinator_lease.py);
         # may raise
@@ -204,10 +206,18 @@ class Worker(ResumeState):
                 self.overlap.flush()  # our last round is published before we wait for the outer step
                 self.publish_pending(self.state["round_done"])
                 self.hb.beat(force=True, status="waiting for the outer step", round=r)
-                wait_for(lambda: self.monitor() or (self.paths.latest_committed() or 0) > r, None, self.poll)
+                self.wait_commit(r)
                 continue
             broadcast_json(k, self.dist, self.device)
             self.train_round(k)
+
+    def wait_commit(self, r: int) -> None:
+        """Until round r is committed (or the coordinator's watch raises): polled every outer.poll_interval_s, and
+        faster where the commit usually comes after our delta (train/exchange/expect.py)."""
+        t0 = time.monotonic()
+        while not (self.monitor() or (self.paths.latest_committed(self._latest) or 0) > r):
+            time.sleep(self.expect_commit.interval(time.monotonic() - t0))
+        self.expect_commit.seen(time.monotonic() - t0)
 
     # -- membership: our slot in the data layout (train/exchange/layout.py, docs/elastic.md) -------------------------
     def layout_changed(self) -> bool:
