@@ -196,8 +196,9 @@ class OuterConfig:
                                 "keeps the progress since the segment's start and takes its delta against θ_{r+1}.")
     fragments: int = doc(1, "Streaming DiLoCo (docs/streaming.md): split the model into P fragments (the paper's "
                             "strided split of the transformer blocks; the embeddings split by rows), one synced per "
-                            "round, so a round is H / P inner steps, fragment p is synced every H steps at offset "
-                            "p·H/P and no round moves more than 1/P of the model. outer.rounds counts these syncs: "
+                            "round, so a round is H / P inner steps, fragment p is synced every H steps (the first "
+                            "time after (p + 1)·H/P) and no round moves more than 1/P of the model. outer.rounds "
+                            "counts these syncs: "
                             "R·P rounds train the tokens of R DiLoCo rounds. 1 = DiLoCo. local_steps must be a "
                             "multiple of P.")
     fragment_delay: int = doc(0, "Streaming DiLoCo's τ: inner steps a worker trains on after publishing a "

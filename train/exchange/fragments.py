@@ -3,7 +3,8 @@ a time on a staggered schedule, so that no round moves the whole model.
 
 Round r (H / P inner steps) syncs fragment r mod P: each worker publishes the pseudo-gradient of that fragment only,
 the coordinator applies the outer step to it (its own momentum, per piece) and commits θ_{r+1}, which differs from
-θ_r in that fragment only. Fragment p is therefore synced every P rounds = every H inner steps, at offset p·H/P.
+θ_r in that fragment only. Fragment p is therefore synced every P rounds = every H inner steps, staggered by H/P
+(the first time after (p + 1)·H/P steps, as torchft's schedule).
 
 The split is the paper's strided one over the transformer blocks: fragment p holds blocks p, p + P, p + 2P, ...
 Tensors outside the blocks are assigned explicitly:
