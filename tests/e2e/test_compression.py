@@ -100,9 +100,11 @@ def test_int8_run_keeps_one_theta_checkpoints_load_and_host_local_state(tmp_path
 
 
 # eager covers the synchronous replay too (the same coordinator and worker replays, plus the overlap's threads);
-# the plain protocol's random kills are tests/e2e/test_kill.py's
+# the plain protocol's random kills are tests/e2e/test_kill.py's (default tier), streaming DiLoCo's worker kill
+# tests/e2e/test_streaming.py's; these variants run in the long tier (CI runs both)
 @pytest.mark.timeout(600)  # a reference run, up to 2 killed runs and the rerun
-@pytest.mark.parametrize("overlap", ["eager", pytest.param("topk-eager", marks=pytest.mark.long)])
+@pytest.mark.parametrize("overlap", [pytest.param("eager", marks=pytest.mark.long),
+                                     pytest.param("topk-eager", marks=pytest.mark.long)])
 def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, overlap):
     """Coordinator replay (momentum, residual from the deltas since the checkpoint) and worker replay (rounds whose
     state snapshot was lost) give the uninterrupted run's model, bit for bit; with overlap too, where the delta, the

@@ -79,9 +79,9 @@ class Timeline:
     boundaries: list[tuple[int, float]]            # (round / generation committed, when)
     bytes: list[tuple[int, int]]                   # (round / generation, bytes that crossed BASE_DIR)
     utilisation: dict[str, float]                  # worker lane -> compute time / its span
-    fragments: dict[int, int] = field(default_factory=dict)  # streaming DiLoCo: round committed -> fragment synced
     t0: float = 0.0
     t1: float = 0.0
+    fragments: dict[int, int] = field(default_factory=dict)  # streaming DiLoCo: round committed -> fragment synced
 
     def lane(self, name: str) -> Lane:
         return next(ln for ln in self.lanes if ln.name == name)
@@ -206,7 +206,7 @@ def _diloco_timeline(root: Path, now: float) -> Timeline:
     boundaries = sorted(closes.items())
     nbytes = [(k, int(recs[k].get("bytes_total", 0))) for k in sorted(recs) if k > 0]
     frags = {k: int(recs[k]["fragment"]) for k in sorted(recs) if "fragment" in recs[k]}
-    return _finish(Timeline("diloco", lanes, boundaries, nbytes, util, frags), now)
+    return _finish(Timeline("diloco", lanes, boundaries, nbytes, util, fragments=frags), now)
 
 
 def _worker_segments(lane: Lane, mine: list[dict], closes: dict[int, float]) -> None:
