@@ -26,6 +26,13 @@ log = logging.getLogger("worker")
 LOCAL = "local::"
 
 
+def await_commit(w, r: int) -> None:
+    """Until round r is committed (the worker's lease says it waits for the outer step of round r − 1)."""
+    if not w.paths.is_committed(r):
+        w.hb.beat(force=True, status="waiting for the outer step", round=r - 1)
+        wait_for(lambda: w.monitor() or w.paths.is_committed(r), None, w.poll)
+
+
 class Mix(Segment):
     """Segment r of a worker that kept its model: the fragment round r − 1 synced comes in from θ_r at step `at`
     (τ; a replay mixes at the same step). `base` is θ_r once it came in: the delta is taken against it."""
@@ -43,9 +50,7 @@ class Mix(Segment):
     def mix(self, i: int) -> None:
         w, r = self.w, self.r
         t = time.perf_counter()
-        if not w.paths.is_committed(r):
-            w.hb.beat(force=True, status="waiting for the outer step", round=r - 1)
-            wait_for(lambda: w.monitor() or w.paths.is_committed(r), None, w.poll)
+        await_commit(w, r)
         theta = w.load_global(r, into_model=False)
         fr, alpha, params = w.theta.frags, self.policy.alpha, w.trainer.params
         with torch.no_grad():
@@ -116,9 +121,7 @@ class Streaming(Synchronous):
             log.info("round %d: starting from the whole global model (our own model is of round %s)", r,
                      self._ended(w))
         self.saved = None
-        if not w.paths.is_committed(r):
-            w.hb.beat(force=True, status="waiting for the outer step", round=r - 1)
-            wait_for(lambda: w.monitor() or w.paths.is_committed(r), None, w.poll)
+        await_commit(w, r)
         return Segment(w.load_global(r), time.perf_counter() - t0)
 
     def hand_off(self, w, r: int, base: dict, params: dict, opt_tensors: dict | None, meta: dict, data: dict,

@@ -123,7 +123,3 @@ class Fragments:
                        f" ({100 * self.numel(p) / max(1, total):.1f}%)")
         return "; ".join(out)
 
-
-def fragments_for(oc, shapes: Mapping[str, tuple]) -> Fragments:
-    """The fragments of the run (outer.fragments; one fragment, the whole model, when it is 1)."""
-    return Fragments(shapes, int(getattr(oc, "fragments", 1) or 1))
