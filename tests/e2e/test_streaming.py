@@ -61,7 +61,6 @@ def test_four_fragments_with_a_killed_worker_resume_bit_identically(tmp_path):
         assert recs[r]["bytes_deltas"] <= 2 * 1.1 * full / 4, recs[r]  # two workers' fp32 deltas of one fragment
         assert recs[r]["bytes_deltas"] >= 2 * 0.9 * full / 4, recs[r]
         assert ref.update_file(r).stat().st_size <= 1.1 * full / 4  # the commit moves one fragment too
-    assert "after 1 overlapped steps" not in out.stdout  # (a wait is logged only when it was long)
 
     cfg, paths = _write(tmp_path, "killed")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", str(cfg)), stdout=subprocess.PIPE,
