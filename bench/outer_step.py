@@ -11,8 +11,9 @@ should not grow with N.
 
 For each N, in the same run, on the same disk, the measurements interleaved repeat by repeat (medians reported):
   tail        the last arrival -> committed: add the last delta, screen, OuterMaster.step, COMMITTED (the N−1
-              earlier deltas were added before the clock starts, as they are in a real round); then, after the
-              commit (the workers already go on), the metrics line and the timeline record
+              earlier deltas were added before the clock starts, as they are in a real round, and the outer momentum
+              m_r exists, as in every round after the first); then, after the commit (the workers already go on),
+              the metrics line and the timeline record
   at the end  the same work if every delta were reduced only after the last arrival (what protocol 1 did)
   floor       the tail's bytes (one delta read; θ_{r+1} and the momentum written, fsync'd) at the disk's sequential
               bandwidth measured in the same repeat (reads with a warm page cache, as the just-written delta is)
@@ -69,9 +70,16 @@ def setup_round(root: Path, n: int, small: bool, codec: str):
     return cfg, paths, model, names, theta
 
 
-def one_round(cfg, paths, n: int, at_end: bool, worker=None) -> dict:
+def steady_momentum(names, theta) -> dict:
+    """An outer momentum m_r as every round after the first has one (round 0's step starts it from nothing, an
+    allocation a round in the steady state does not make)."""
+    g = torch.Generator().manual_seed(123)
+    return {k: torch.randn(theta[k].shape, generator=g) * 1e-3 for k in names}
+
+
+def one_round(cfg, paths, n: int, at_end: bool, worker=None, momentum=None) -> dict:
     """The tail (or the reduce at the end): {s, read, written, phases}; with `worker` (a bench Worker), the worker's
-    load of the committed θ_1 too ({load_s, load_read, load_phases})."""
+    load of the committed θ_1 too ({load_s, load_read, load_phases}). `momentum`: m_r (steady_momentum), copied in."""
     from train.core.phases import Phases
     from train.core.store import append_jsonl
     from train.exchange.master import OuterMaster
@@ -81,6 +89,8 @@ def one_round(cfg, paths, n: int, at_end: bool, worker=None) -> dict:
 
     m = OuterMaster(paths, cfg.outer, 10)
     m.resume(0)
+    if momentum is not None and not m.sparse:  # (topk keeps no momentum)
+        m.momentum = {k: v.clone() for k, v in momentum.items()}
     ph = Phases()
     m.phases = ph
     acc = m.new_accumulator(0)
@@ -221,11 +231,12 @@ def main() -> None:
             print(f"N={n}: publishing {n} deltas in {root} ...", flush=True)
             cfg, paths, model, names, theta = setup_round(root, n, args.small, args.codec)
             worker = Worker(cfg, paths, model, names, theta)
+            momentum = steady_momentum(names, theta)
             tails, ends, pubs, bws = [], [], [], []
             for i in range(args.repeats):  # interleaved: each repeat measures everything, the floor included
-                tails.append(one_round(cfg, paths, n, at_end=False, worker=worker))
+                tails.append(one_round(cfg, paths, n, at_end=False, worker=worker, momentum=momentum))
                 if not args.no_at_end:
-                    ends.append(one_round(cfg, paths, n, at_end=True))
+                    ends.append(one_round(cfg, paths, n, at_end=True, momentum=momentum))
                 pubs.append(worker.publish())
                 bws.append(bandwidth(root, max(tails[-1]["written"], pubs[-1]["written"], 64 << 20)))
                 loads.append(load_average())

@@ -78,7 +78,7 @@ def test_rejected_delta_never_touches_the_global_model(tmp_path, case, caplog):
         raw = bytearray(f.read_bytes())
         if case == "checksum":
             raw[-3] ^= 0xFF  # same size, one flipped byte: only the sha256 can tell
-            reason = "sha256 of the file differs"
+            reason = "checksum of the file differs"
         else:
             raw += b"\0" * 8
             reason = "bytes, sidecar says"

@@ -56,7 +56,19 @@ def test_pieces_give_the_whole_tensor_formula_bit_for_bit(paths):
         want = sum(float(m["tokens"]) * d[n].to(torch.float64) for m, d in zip(metas, ds))
         assert torch.equal(acc.mean(n), (want / total).to(torch.float32))
         assert torch.equal(acc.mean_piece(n, 3, 17), (want / total).to(torch.float32).reshape(-1)[3:17])
+        buf = torch.full((64,), float("nan"))  # into a buffer (the outer step's), the same bits
+        assert torch.equal(acc.mean_piece(n, 3, 17, out=buf), (want / total).to(torch.float32).reshape(-1)[3:17])
     assert acc.bytes_read == sum(m["bytes"] for m in metas)
+
+
+def test_a_float64_quotient_stored_into_float32_is_rounded_once():
+    # what mean_piece(out=) relies on: div into a float32 out computes in float64 and rounds once, as .to(float32)
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(1 << 20, dtype=torch.float64, generator=g) * torch.exp2(torch.randint(-140, 130, (1 << 20,),
+                                                                                           generator=g).double())
+    for total in (3.0, 7.5, 1234567.0, 1e-3):
+        out = torch.empty(1 << 20)
+        assert torch.equal(torch.div(s, total, out=out), (s / total).to(torch.float32))
 
 
 @pytest.mark.parametrize("case", ["nan_in_the_last_tensor", "torn"])
@@ -73,7 +85,7 @@ def test_a_delta_rejected_midway_leaves_no_trace_in_the_sum(paths, case):
         ref.add(w, metas[w])
     with pytest.raises(RejectedDelta) as e:
         acc.add(2, metas[2])
-    assert ("non-finite" if case == "nan_in_the_last_tensor" else "sha256 of the file differs") in e.value.reason
+    assert ("non-finite" if case == "nan_in_the_last_tensor" else "checksum of the file differs") in e.value.reason
     assert acc.workers == [0, 1] and acc.total == ref.total and 2 not in acc.stats.norm2
     for n in SHAPES:
         assert torch.equal(acc.sum[n], ref.sum[n])

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from train.core import digest
 from train.core.store import (MANIFEST, PROTOCOL_VERSION, ProtocolError, append_jsonl, atomic_write,
                               atomic_write_bytes, atomic_write_json, ensure_run_manifest, exclusive_lock, read_json,
                               read_jsonl, sha256_file, verify_manifest, write_manifest)
@@ -68,16 +69,22 @@ def test_manifest_lists_every_file_with_size_and_hash(model_dir):
     m = write_manifest(model_dir)
     assert m["protocol"] == PROTOCOL_VERSION
     assert set(m["files"]) == {"config.json", "model.safetensors", "nested/extra.txt"}
-    assert m["files"]["model.safetensors"] == {"bytes": 1024, "sha256": sha256_file(model_dir / "model.safetensors")}
+    assert m["files"]["model.safetensors"] == {"bytes": 1024, "sha256": digest.of_file(model_dir / "model.safetensors")}
     assert read_json(model_dir / MANIFEST) == m
     assert verify_manifest(model_dir) == m
 
 
-def test_manifest_uses_precomputed_hashes(model_dir):
-    h = sha256_file(model_dir / "model.safetensors")
+@pytest.mark.parametrize("algorithm", ["xxh3-128", "sha256"])
+def test_manifest_uses_precomputed_hashes(model_dir, algorithm):
+    # sha256: a manifest written before train/core/digest.py's xxh3-128 still verifies (and still catches a change)
+    f = model_dir / "model.safetensors"
+    h = digest.of_file(f) if algorithm == "xxh3-128" else sha256_file(f)
     m = write_manifest(model_dir, hashes={"model.safetensors": h})
     assert m["files"]["model.safetensors"]["sha256"] == h
     verify_manifest(model_dir)
+    f.write_bytes(b"\x01" + f.read_bytes()[1:])
+    with pytest.raises(ProtocolError, match="model.safetensors: checksum differs"):
+        verify_manifest(model_dir)
 
 
 def test_verify_manifest_detects_missing_manifest(model_dir):
@@ -109,7 +116,7 @@ def test_verify_manifest_detects_a_modified_byte(model_dir):
     data[500] ^= 0x01
     p.write_bytes(bytes(data))
     assert p.stat().st_size == 1024
-    with pytest.raises(ProtocolError, match="model.safetensors: sha256 differs"):
+    with pytest.raises(ProtocolError, match="model.safetensors: checksum differs"):
         verify_manifest(model_dir)
     verify_manifest(model_dir, check_hashes=False)  # the cheap check only looks at sizes
 

@@ -1,7 +1,6 @@
 """train/core/tensorio.py: the streaming safetensors writer and the hashing sequential reader."""
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from train.core import digest
 from train.core.tensorio import (SequentialReader, StreamingWriter, iter_tensors, load_tensors, read_header,
                                  save_streaming)
 
@@ -29,7 +29,7 @@ def _sample() -> dict[str, torch.Tensor]:
 
 
 def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return digest.of_bytes(path.read_bytes())
 
 
 def _open_fds_under(folder: Path) -> list[str]:
@@ -63,7 +63,7 @@ def test_streaming_writer_output_loads_with_safetensors(tmp_path):
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata() == {"round": "3", "worker": "w001"}
     assert w.nbytes == path.stat().st_size
-    assert w.sha256 == _sha(path)
+    assert w.digest == digest.of_bytes(path.read_bytes()) and w.digest.startswith("xxh3-128:")
     assert os.listdir(path.parent) == ["delta.safetensors"]  # no temp file left behind
     # the header is 8-byte aligned, as the format asks
     (n,) = __import__("struct").unpack("<Q", path.read_bytes()[:8])

@@ -192,14 +192,17 @@ MANIFEST = "MANIFEST.json"
 
 
 def write_manifest(folder: str | os.PathLike, hashes: dict[str, str] | None = None) -> dict:
-    """Write MANIFEST.json listing every file of `folder` with size and sha256 (last: it marks completeness)."""
+    """Write MANIFEST.json listing every file of `folder` with size and checksum (last: it marks completeness).
+    The checksums (train/core/digest.py) sit under the key `sha256` for the manifests of earlier runs."""
+    from train.core import digest
+
     folder = Path(folder)
     files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != MANIFEST and not p.name.startswith("."):
             rel = str(p.relative_to(folder))
             files[rel] = {"bytes": sharedfs.stat(p).st_size,
-                          "sha256": (hashes or {}).get(rel) or sha256_file(p)}
+                          "sha256": (hashes or {}).get(rel) or digest.of_file(p)}
     manifest = {"protocol": PROTOCOL_VERSION, "files": files}
     atomic_write_json(folder / MANIFEST, manifest)
     return manifest
@@ -207,6 +210,7 @@ def write_manifest(folder: str | os.PathLike, hashes: dict[str, str] | None = No
 
 def verify_manifest(folder: str | os.PathLike, check_hashes: bool = True) -> dict:
     """Raise ProtocolError unless `folder` has a manifest whose files all exist with the recorded size/hash."""
+    from train.core import digest
     folder = Path(folder)
     mpath = folder / MANIFEST
     if not sharedfs.exists(mpath):
@@ -216,8 +220,8 @@ def verify_manifest(folder: str | os.PathLike, check_hashes: bool = True) -> dic
         p = folder / rel
         if not sharedfs.exists(p) or sharedfs.stat(p).st_size != info["bytes"]:
             raise ProtocolError(f"{p}: missing or wrong size (manifest says {info['bytes']} bytes)")
-        if check_hashes and sha256_file(p) != info["sha256"]:
-            raise ProtocolError(f"{p}: sha256 differs from the manifest (corrupt or modified)")
+        if check_hashes and digest.of_file(p, like=info["sha256"]) != info["sha256"]:
+            raise ProtocolError(f"{p}: checksum differs from the manifest (corrupt or modified)")
     return manifest
 
 

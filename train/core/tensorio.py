@@ -1,8 +1,9 @@
 """Streaming safetensors I/O: read and write tensor by tensor with O(one tensor) memory.
 
 The writer knows every name, dtype and shape up front, so it writes the safetensors header first and then each
-tensor's bytes in order; the file appears atomically (temp name + fsync + os.replace) and its sha256 is computed
-on the fly, so publishing a 500 MB delta never holds two copies of it and never re-reads it to hash it.
+tensor's bytes in order; the file appears atomically (temp name + fsync + os.replace) and its checksum
+(train/core/digest.py) is computed on the fly, so publishing a 500 MB delta never holds two copies of it and never
+re-reads it to hash it.
 
 Files live on the shared disk, so every read and write is a pread / pwrite at an explicit offset through the retry
 policy of train/core/sharedfs.py (a retried call repeats exactly what failed), and nothing is memory-mapped: a
@@ -10,7 +11,6 @@ mapped page that a soft NFS mount cannot read, or that another host pruned, is a
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-from train.core import sharedfs
+from train.core import digest, sharedfs
 from train.core.store import tmp_name, fsync_dir
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -29,7 +29,7 @@ DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 class _Background:
     """Run callables in order on one background thread (hashing / writing overlap the caller's compute:
-    hashlib and file writes release the GIL). `drain()` waits and re-raises the first error."""
+    the hashers and file writes release the GIL). `drain()` waits and re-raises the first error."""
 
     def __init__(self, depth: int = 8):
         import queue
@@ -77,7 +77,8 @@ class StreamingWriter:
     """
 
     def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None, hash_bytes: bool = True, phases=None):
+                 metadata: dict[str, str] | None = None, hash_bytes: bool = True, phases=None,
+                 like: str | None = None):
         from train.core.phases import NO_PHASES
 
         self.path = Path(path)
@@ -98,7 +99,8 @@ class StreamingWriter:
         self._header = struct.pack("<Q", len(raw)) + raw
         self.nbytes = len(self._header) + offset
         self._next = 0
-        self._hash = hashlib.sha256() if hash_bytes else None  # False: a file nobody checks by its sha256
+        # False: a file nobody checks by its checksum; `like`: hash with the algorithm of that stored checksum
+        self._hash = digest.Hasher(like) if hash_bytes else None
 
     def __enter__(self) -> "StreamingWriter":
         sharedfs.makedirs(self.path.parent)
@@ -125,7 +127,7 @@ class StreamingWriter:
                 sharedfs.pwrite(self._fd, data, self._offset, self._tmp)
             self._offset += len(data)
             if self._hash is not None:
-                with ph("sha256"):
+                with ph("checksum"):
                     self._hash.update(data)
             self._unsynced += len(data)
             if self._unsynced >= self.SYNC_EVERY:
@@ -148,8 +150,9 @@ class StreamingWriter:
         self._next += 1
 
     @property
-    def sha256(self) -> str | None:
-        return self._hash.hexdigest() if self._hash is not None else None
+    def digest(self) -> str | None:
+        """The file's checksum in its stored form (train/core/digest.py); None without hashing."""
+        return self._hash.text() if self._hash is not None else None
 
     def __exit__(self, exc_type, exc, tb) -> None:
         fd = self._fd
@@ -178,12 +181,12 @@ class StreamingWriter:
 
 def save_streaming(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
                    metadata: dict[str, str] | None = None) -> str:
-    """Atomically save a dict of tensors; returns the file's sha256."""
+    """Atomically save a dict of tensors; returns the file's checksum."""
     specs = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
     with StreamingWriter(path, specs, metadata) as w:
         for k, v in tensors.items():
             w.write(k, v)
-    return w.sha256
+    return w.digest
 
 
 def _header_of(path: Path, fd: int) -> tuple[dict, int, int]:
@@ -253,16 +256,17 @@ TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 class SequentialReader:
     """Read a safetensors file front to back, tensor by tensor, hashing every byte on the way.
 
-    One pass over the file gives both the tensors and the sha256 that the sidecar promised, so validating a
-    delta costs no second read. Tensors must be requested in file order (`names_in_order`).
+    One pass over the file gives both the tensors and the checksum that the sidecar promised, so validating a
+    delta costs no second read. Tensors must be requested in file order (`names_in_order`). `like`: the stored
+    checksum the result will be compared with (its algorithm is used; train/core/digest.py).
     """
 
-    def __init__(self, path: str | os.PathLike, hash_bytes: bool = True):
+    def __init__(self, path: str | os.PathLike, hash_bytes: bool = True, like: str | None = None):
         self.path = Path(path)
         self._fd = sharedfs.open_fd(self.path, os.O_RDONLY)
         try:
             self.header, n, size = _header_of(self.path, self._fd)
-            self._hash = hashlib.sha256() if hash_bytes else None
+            self._hash = digest.Hasher(like) if hash_bytes else None
             if self._hash:  # the header's bytes as stored (the hash covers the whole file)
                 self._hash.update(sharedfs.pread(self._fd, 8 + n, 0, self.path))
         except BaseException:
@@ -299,7 +303,7 @@ class SequentialReader:
         return _tensor_from(buf, info)
 
     def finish(self) -> str | None:
-        """Hash whatever follows the last tensor; return the file's sha256 (None if not hashing)."""
+        """Hash whatever follows the last tensor; return the file's checksum (None if not hashing)."""
         off = self._base + self._pos
         while self._bg is not None and (chunk := sharedfs.pread(self._fd, 1 << 22, off, self.path)):
             off += len(chunk)
@@ -309,7 +313,7 @@ class SequentialReader:
             return None
         bg, self._bg = self._bg, None
         bg.drain()
-        return self._hash.hexdigest()
+        return self._hash.text()
 
     def _close_fd(self) -> None:
         if self._fd is not None:
@@ -326,13 +330,14 @@ class SequentialReader:
 class PipelinedReader:
     """Read a safetensors file front to back on a background thread, hashing every byte as it is read, and hand its
     tensors over in groups (a model tensor's codes and scales) through a bounded queue: the caller works on group k
-    while group k + 1 is read and hashed (preadv and hashlib release the GIL). One pass gives the tensors and the
-    file's sha256; at most `depth` + 2 groups are in memory at once.
+    while group k + 1 is read and hashed (preadv and the hashers release the GIL). One pass gives the tensors and the
+    file's checksum; at most `depth` + 2 groups are in memory at once. `like`: the stored checksum the result will
+    be compared with (its algorithm is used; train/core/digest.py).
 
         rd = PipelinedReader(path, [("w", ["w", "w::scale"]), ...])
         for key, tensors in rd:
             ...
-        sha = rd.finish()   # the whole file's sha256, trailing bytes included
+        got = rd.finish()   # the whole file's checksum, trailing bytes included
 
     `groups` names every tensor the caller wants, each once. When they are not one contiguous run of the file's
     order (a file written by another writer), the file is read whole, in its own order, before the first group is
@@ -341,7 +346,7 @@ class PipelinedReader:
     PIECE = 8 << 20  # bytes per read (and hash update) inside a tensor
 
     def __init__(self, path: str | os.PathLike, groups: list[tuple[object, list[str]]], depth: int = 2,
-                 phases=None):
+                 phases=None, like: str | None = None):
         import queue
         import threading
 
@@ -352,7 +357,7 @@ class PipelinedReader:
         self.phases = phases or NO_PHASES
         self.nbytes = 0  # read so far
         self._q: "queue.Queue" = queue.Queue(maxsize=depth)
-        self._hash = hashlib.sha256()
+        self._hash = digest.Hasher(like)
         self._stop = False
         self._fd = sharedfs.open_fd(self.path, os.O_RDONLY)
         try:
@@ -398,7 +403,7 @@ class PipelinedReader:
             if got != len(piece):
                 raise ValueError(f"{self.path}: truncated inside tensor {name!r}")
             self.nbytes += got
-            with self.phases("sha256"):
+            with self.phases("checksum"):
                 self._hash.update(piece)
         return _tensor_from(buf, info), end
 
@@ -449,9 +454,9 @@ class PipelinedReader:
             yield item
 
     def finish(self) -> str:
-        """After the loop: the file's sha256 (every byte, in order)."""
+        """After the loop: the file's checksum (every byte, in order)."""
         self.close()
-        return self._hash.hexdigest()
+        return self._hash.text()
 
     def close(self) -> None:
         import queue

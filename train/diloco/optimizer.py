@@ -236,7 +236,7 @@ class DiLoCoOptimizer:
             with StreamingWriter(tmp / WEIGHTS, specs, {"format": "pt"}) as wr:
                 for n in names:
                     wr.write(n, self.params[n].detach().to("cpu", torch.float32, copy=True))
-            return {WEIGHTS: wr.sha256}
+            return {WEIGHTS: wr.digest}
         publish_dir(paths.global_dir(0), fill)
         commit(paths, 0, {"protocol": PROTOCOL_VERSION, "kind": KIND})
         log.info("round 0 committed: %d tensors, %.2fM parameters", len(names),

@@ -353,11 +353,11 @@ class Worker(ResumeState):
         if replay:
             pending = pending.with_name(f".replay-{pending.name}")
         fr = self.theta.frags  # round r's fragment (the whole model without streaming DiLoCo's fragments)
+        published = self.state["sidecar"]["sha256"] if replay and self.state["round_done"] == r else None
         file = write_delta(pending, fr.pieces(r), fr.view(r, theta_r), fr.view(r, params), self.delta_codec, r,
-                           self.w, self.residual)
+                           self.w, self.residual, like=published)  # a replay hashes as its published twin was
         if replay:
             sharedfs.unlink(pending)
-            published = self.state["sidecar"]["sha256"] if self.state["round_done"] == r else None
             if published is not None and published != file["sha256"]:
                 log.warning("round %d: the replayed delta differs from the published one (non-deterministic "
                             "kernels?); the state goes on from the replay", r)

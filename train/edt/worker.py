@@ -235,9 +235,9 @@ class EDTWorker:
         finite = all(v is None or bool(np.isfinite(v)) for v in (out["eval_loss"], out["train_loss"]))
         result = {"protocol": PROTOCOL_VERSION, "generation": g, "member": m, "attempt": attempt, "worker": self.w,
                   "host": socket.gethostname(), **out, "steps": steps, "hyper": job["hyper"], "finite": finite,
-                  "weights_sha256": wr.sha256, "bytes_read": sharedfs.stat(job_dir / WEIGHTS).st_size +
+                  "weights_sha256": wr.digest, "bytes_read": sharedfs.stat(job_dir / WEIGHTS).st_size +
                   out["bytes_read"], "bytes_written": wr.nbytes + out["bytes_written"], "time": time.time()}
-        return result, {WEIGHTS: wr.sha256}
+        return result, {WEIGHTS: wr.digest}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,16 +22,16 @@ deltas: it loads θ_{r+1} or applies the coordinator's update (topk's fixed-orde
 """
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
 
-from train.core import sharedfs
+from train.core import digest, sharedfs
 from train.core.phases import NO_PHASES
+from train.core.threads import beside_io, intra_op_threads
 from train.core.tensorio import PipelinedReader, read_header
 from train.exchange.codec import Codec, CodecError
-from train.exchange.protocol import RejectedDelta
+from train.exchange.protocol import CHECKSUM_DIFFERS, RejectedDelta
 from train.exchange.screen import DeltaStats
 from train.exchange.store import DiLoCoPaths
 
@@ -39,7 +39,7 @@ CHUNK = 1 << 20  # values per piece of the float64 add (8 MB): the temporaries s
 
 
 def _whole_file_reason(acc, f, meta: dict) -> str | None:
-    """After another check failed: the size or sha256 reason when the file is not the one its sidecar vouches for
+    """After another check failed: the size or checksum reason when the file is not the one its sidecar vouches for
     (the truer reason: a torn file whose header happens to break), else None."""
     try:
         data = sharedfs.read_bytes(f)
@@ -48,8 +48,8 @@ def _whole_file_reason(acc, f, meta: dict) -> str | None:
     acc.bytes_read += len(data)
     if len(data) != meta["bytes"]:
         return f"file has {len(data)} bytes, sidecar says {meta['bytes']} (truncated?)"
-    if hashlib.sha256(data).hexdigest() != meta["sha256"]:
-        return "sha256 of the file differs from its sidecar (torn or corrupt)"
+    if digest.of_bytes(data, like=meta["sha256"]) != meta["sha256"]:
+        return CHECKSUM_DIFFERS
     return None
 
 
@@ -71,7 +71,7 @@ def open_checked(acc, w: int, f, meta: dict) -> None:
 
 
 def read_checked_delta(acc, r: int, w: int, meta: dict) -> dict[str, torch.Tensor]:
-    """Worker w's delta file of round r, checked against its sidecar `meta` (size, sha256) and the codec of `acc`
+    """Worker w's delta file of round r, checked against its sidecar `meta` (size, checksum) and the codec of `acc`
     (an Accumulator or train/exchange/sparse.py's SparseAccumulator: its paths, codec, shapes; the bytes read are
     added to its bytes_read, a rejected file's too): its tensors, or RejectedDelta with the reason. One pass over
     the file (hashed while it is read)."""
@@ -80,7 +80,7 @@ def read_checked_delta(acc, r: int, w: int, meta: dict) -> dict[str, torch.Tenso
     open_checked(acc, w, f, meta)
     names = [k for n, s in shapes.items() for k in codec.specs(n, tuple(s))]
     try:
-        rd = PipelinedReader(f, [(None, names)], phases=getattr(acc, "phases", None))
+        rd = PipelinedReader(f, [(None, names)], phases=getattr(acc, "phases", None), like=meta["sha256"])
         try:
             stored = next(iter(rd))[1]
             sha = rd.finish()
@@ -90,7 +90,7 @@ def read_checked_delta(acc, r: int, w: int, meta: dict) -> dict[str, torch.Tenso
     except (ValueError, OSError, StopIteration) as e:
         raise RejectedDelta(w, _whole_file_reason(acc, f, meta) or str(e))
     if sha != meta["sha256"]:
-        raise RejectedDelta(w, "sha256 of the file differs from its sidecar (torn or corrupt)")
+        raise RejectedDelta(w, CHECKSUM_DIFFERS)
     try:
         for n, shape in shapes.items():
             codec.check_values(n, stored, shape)
@@ -130,15 +130,16 @@ class Accumulator:
             open_checked(self, w, f, meta)
         groups = [(n, list(self.codec.specs(n, tuple(s)))) for n, s in self.shapes.items()]
         touched = False
-        rd = PipelinedReader(f, groups, phases=ph)
+        rd = PipelinedReader(f, groups, phases=ph, like=meta["sha256"])
         try:
-            for n, stored in rd:
-                with ph("checks"):
-                    self.codec.check_values(n, stored, self.shapes[n])
-                touched = True
-                self._add_tensor(n, stored, a, key)
+            with intra_op_threads(beside_io(1)):  # the reader thread keeps a core (train/core/threads.py)
+                for n, stored in rd:
+                    with ph("checks"):
+                        self.codec.check_values(n, stored, self.shapes[n])
+                    touched = True
+                    self._add_tensor(n, stored, a, key)
             sha = rd.finish()
-            reason = None if sha == meta["sha256"] else "sha256 of the file differs from its sidecar (torn or corrupt)"
+            reason = None if sha == meta["sha256"] else CHECKSUM_DIFFERS
         except (CodecError, ValueError, OSError) as e:
             rd.close()
             reason = _whole_file_reason(self, f, meta) or str(e)
@@ -207,9 +208,14 @@ class Accumulator:
         res = torch.empty(s.numel(), dtype=torch.float32) if out is None else out
         for i in range(0, s.numel(), CHUNK):
             j = min(s.numel(), i + CHUNK)
-            res[i:j].copy_(s[i:j] / self.total)
+            torch.div(s[i:j], self.total, out=res[i:j])  # one pass: the float64 quotient rounded as it is stored
         return res.reshape(self.shapes[name])
 
-    def mean_piece(self, name: str, i: int, j: int) -> torch.Tensor:
-        """Values i..j of the flat weighted mean of one tensor, float32 (a new piece: the outer step overwrites it)."""
-        return (self.sum[name][i:j] / self.total).to(torch.float32)
+    def mean_piece(self, name: str, i: int, j: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Values i..j of the flat weighted mean of one tensor, float32 (into `out`, a float32 buffer of at least
+        j − i values, when given; the outer step overwrites it). One pass: the quotient is taken in float64 and
+        rounded once to float32 as it is stored, the same bits as (sum / total).to(float32)
+        (tests/unit/test_accumulate.py)."""
+        s = self.sum[name][i:j]
+        res = torch.empty(j - i, dtype=torch.float32) if out is None else out[:j - i]
+        return torch.div(s, self.total, out=res)

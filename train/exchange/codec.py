@@ -151,8 +151,18 @@ class Codec:
                 raise CodecError(f"{name}: scales are not finite and >= 0 (NaN/inf or negative)")
             if self.name == "int8" and bool((stored[name] == -128).any()):
                 raise CodecError(f"{name}: int8 code -128 is outside [-127, 127]")
-        elif not bool(torch.isfinite(stored[name]).all()):
+        elif not all_finite(stored[name]):
             raise CodecError(f"{name}: non-finite values (NaN/inf)")
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite, in one pass that allocates nothing of t's size (isfinite().all()
+    writes a mask of it first: 3x the time on a 135M-value delta). For floats of up to 32 bits a float64 sum is
+    finite exactly when every value is: NaN or ±inf anywhere makes it NaN or ±inf, and finite values cannot
+    overflow it (each is below 2^128, the sum of fewer than 2^800 of them below 2^1024)."""
+    if t.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return bool(torch.isfinite(torch.sum(t, dtype=torch.float64)))
+    return bool(torch.isfinite(t).all())
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ With a codec, round r + 1 publishes only u = encode(θ* − θ_r + e) (update.sa
 result and e the residual of earlier rounds; θ_{r+1} = θ_r + decode(u) on every copy (train/exchange/theta.py). The
 global directory and outer_state (momentum + residual) are written every outer.checkpoint_every rounds and after the
 last. A restart loads the last checkpoint c and replays rounds c..r−1 from the deltas kept on disk: the same sums,
-the same outer steps, the same encodings — it checks each re-encoded update against the committed one's sha256 —
+the same outer steps, the same encodings — it checks each re-encoded update against the committed one's checksum —
 so the momentum and residual it ends with are those of an uninterrupted run.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ from train.exchange.outer import outer_lr_at, outer_step_piece, outer_step_tenso
 from train.core.store import publish_dir, read_json
 from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, iter_tensors
+from train.core.threads import beside_io, intra_op_threads
 from train.exchange.accumulate import Accumulator
 from train.exchange.codec import Codec, Residual
 from train.exchange.protocol import RejectedDelta, check_sidecar
@@ -67,7 +68,7 @@ def write_global(paths: DiLoCoPaths, r: int, names: list[str], tensors: dict[str
             for n in names:
                 wr.write(n, tensors[n])
         nbytes.append(wr.nbytes)
-        return {WEIGHTS: wr.sha256}
+        return {WEIGHTS: wr.digest}
     nbytes: list[int] = []
     publish_dir(paths.global_dir(r), fill)
     return nbytes[-1]
@@ -146,7 +147,7 @@ class OuterMaster:
                 raise ProtocolError(f"cannot replay round {k} from the deltas on disk ({e}); the run's files "
                                     f"were changed after the commit") from None
             stored, _ = self._step(k, acc)
-            sha = self._sha_of(stored)
+            sha = self._sha_of(stored, like=rec.get("update_sha256") or None)
             if rec.get("update_sha256") and sha != rec["update_sha256"]:
                 log.warning("replaying round %d gave a different update than the committed one (non-deterministic "
                             "kernels?); continuing from the committed update", k)
@@ -162,14 +163,15 @@ class OuterMaster:
         if r > c:
             log.info("resumed the outer state at round %d: checkpoint %d + %d replayed rounds", r, c, r - c)
 
-    def _sha_of(self, stored: dict[str, torch.Tensor]) -> str:
+    def _sha_of(self, stored: dict[str, torch.Tensor], like: str | None = None) -> str:
+        """The checksum the update file of `stored` would have (in the algorithm of the stored checksum `like`)."""
         import os
         import tempfile
 
         fd, tmp = tempfile.mkstemp(suffix=".safetensors")
         os.close(fd)
         try:
-            return self._write_update(Path(tmp), stored, self.theta.round + 1, self.theta.round)[0]
+            return self._write_update(Path(tmp), stored, self.theta.round + 1, self.theta.round, like=like)[0]
         finally:
             Path(tmp).unlink(missing_ok=True)
 
@@ -201,8 +203,9 @@ class OuterMaster:
         """No codec: θ_{r+1} and m_{r+1} computed in place, piece by piece (train/exchange/outer.py's
         outer_step_piece on the mean's pieces: no model-sized temporary), each tensor handed to two writers as soon as
         it is done — the global model and the outer state, written, hashed and fsync'd on their own threads while
-        the next tensor is computed. Returns the bytes written. A retried global folder (publish_dir starts `fill`
-        again after a transient error) writes the tensors already stepped as they are: each is stepped once."""
+        the next tensor is computed (the step with the cores the two writers leave: train/core/threads.py). Returns
+        the bytes written. A retried global folder (publish_dir starts `fill` again after a transient error) writes
+        the tensors already stepped as they are: each is stepped once."""
         from train.exchange.accumulate import CHUNK
 
         oc, ph = self.oc, self.phases
@@ -210,8 +213,10 @@ class OuterMaster:
         specs = {n: (torch.float32, tuple(self.shapes[n])) for n in self.names}
         stepped: set[str] = set()
         nbytes: list[int] = []
-        with StreamingWriter(self.paths.outer_state(r + 1), specs, {"round": str(r + 1)}, hash_bytes=False,
-                             phases=ph) as mw:
+        gbuf = torch.empty(CHUNK, dtype=torch.float32)  # the mean's piece, overwritten by the step
+        with intra_op_threads(beside_io(2)), \
+                StreamingWriter(self.paths.outer_state(r + 1), specs, {"round": str(r + 1)}, hash_bytes=False,
+                                phases=ph) as mw:
             def fill(tmp: Path) -> dict:
                 for fname in ("config.json", "generation_config.json"):
                     if sharedfs.exists(self.paths.global_dir(0) / fname):
@@ -227,7 +232,7 @@ class OuterMaster:
                                 new_m = torch.empty(numel, dtype=torch.float32) if m is None else m
                                 for i in range(0, numel, CHUNK):
                                     j = min(numel, i + CHUNK)
-                                    g = acc.mean_piece(n, i, j)
+                                    g = acc.mean_piece(n, i, j, out=gbuf)
                                     b = outer_step_piece(p[i:j], g, None if m is None else m[i:j], lr, oc.momentum,
                                                          oc.nesterov)
                                     if m is None:
@@ -238,19 +243,21 @@ class OuterMaster:
                             mw.write(n, self.momentum[n])
                             stepped.add(n)
                 nbytes.append(wr.nbytes)
-                return {WEIGHTS: wr.sha256}
+                return {WEIGHTS: wr.digest}
             publish_dir(self.paths.global_dir(r + 1), fill)
         return nbytes[-1] + mw.nbytes
 
-    def _write_update(self, path: Path, stored: dict[str, torch.Tensor], r: int, step_round: int) -> tuple[str, int]:
+    def _write_update(self, path: Path, stored: dict[str, torch.Tensor], r: int, step_round: int,
+                      like: str | None = None) -> tuple[str, int]:
         """The update file of round r (`step_round` = r − 1: the round whose fragment it updates)."""
         specs = {}
         for n, shape in self.frags.shapes(step_round).items():
             specs.update(self.codec.specs(n, shape))
-        with StreamingWriter(path, specs, {"round": str(r), **self.codec.metadata()}, phases=self.phases) as wr:
+        with StreamingWriter(path, specs, {"round": str(r), **self.codec.metadata()}, phases=self.phases,
+                             like=like) as wr:
             for k in specs:
                 wr.write(k, stored[k])
-        return wr.sha256, wr.nbytes
+        return wr.digest, wr.nbytes
 
     def step(self, r: int, acc: Accumulator, lr: float | None = None) -> dict:
         """Compute round r + 1 from round r's accepted deltas and write its files (not yet committed: the caller

@@ -16,15 +16,16 @@ from typing import Mapping
 
 import torch
 
-from train.core import sharedfs
+from train.core import digest, sharedfs
 from train.core.model import WEIGHTS
 from train.core.store import PROTOCOL_VERSION, atomic_write_json, read_json
 from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, read_header
-from train.exchange.codec import Codec, CodecError, Residual, get_codec
+from train.exchange.codec import Codec, CodecError, Residual, all_finite, get_codec
 
 # every sidecar has these; the reducer refuses one that lacks any
 SIDECAR_REQUIRED = ("round", "worker", "tokens", "sha256", "bytes", "inner_steps", "loss")
+CHECKSUM_DIFFERS = "checksum of the file differs from its sidecar (torn or corrupt)"
 
 
 class RejectedDelta(Exception):
@@ -36,10 +37,11 @@ class RejectedDelta(Exception):
 @torch.no_grad()
 def write_delta(path: Path, names: list[str], theta_r: Mapping[str, torch.Tensor],
                 params: Mapping[str, torch.Tensor], codec: "Codec | str", r: int, w: int,
-                residual: Residual | None = None, phases=None) -> dict:
+                residual: Residual | None = None, phases=None, like: str | None = None) -> dict:
     """Stream Δ = θ_r − θ_w to `path` tensor by tensor (in `names` order, the global file's), encoded with `codec`
     (a Codec, or a dtype name: float32, bfloat16, float16); with `residual`, error feedback: what the codec loses
-    is carried into the next round's delta. Returns the sidecar's file fields {sha256, bytes, dtype, codec, finite}.
+    is carried into the next round's delta. Returns the sidecar's file fields {sha256, bytes, dtype, codec, finite}
+    (`sha256`: the file's checksum, train/core/digest.py; with `like`, in the algorithm of that stored checksum).
     `phases`: a train/core/phases.py Phases that learns where the time goes (bench/outer_step.py)."""
     from train.core.phases import NO_PHASES
 
@@ -50,17 +52,17 @@ def write_delta(path: Path, names: list[str], theta_r: Mapping[str, torch.Tensor
         specs.update(codec.specs(n, tuple(theta_r[n].shape)))
     finite = True
     with StreamingWriter(path, specs, metadata={"round": str(r), "worker": str(w), **codec.metadata()},
-                         phases=ph) as wr:
+                         phases=ph, like=like) as wr:
         for n in names:
             with ph("Δ = θ_r − θ_w, finite"):
                 d = theta_r[n] - params[n].detach().to("cpu", torch.float32)
-                finite = finite and bool(torch.isfinite(d).all())
+                finite = finite and all_finite(d)
             with ph("encode (+ error feedback)"):
                 stored = residual.send(n, d)[0] if residual is not None else codec.encode(n, d)
             for k, t in stored.items():
                 wr.write(k, t)
     dtype = "float32" if codec.lossless else codec.name
-    return {"sha256": wr.sha256, "bytes": wr.nbytes, "dtype": dtype, "codec": codec.name, "block": codec.block,
+    return {"sha256": wr.digest, "bytes": wr.nbytes, "dtype": dtype, "codec": codec.name, "block": codec.block,
             "finite": finite}
 
 
@@ -109,6 +111,10 @@ def check_sidecar(paths: DiLoCoPaths, r: int, w: int, codec: "Codec | str", shap
         raise RejectedDelta(w, f"protocol {meta.get('protocol')}, expected {PROTOCOL_VERSION}")
     if not isinstance(meta["tokens"], (int, float)) or meta["tokens"] <= 0:
         raise RejectedDelta(w, f"tokens = {meta['tokens']!r} (must be > 0)")
+    try:
+        digest.algorithm_of(meta["sha256"])
+    except ValueError as e:
+        raise RejectedDelta(w, f"sidecar's sha256: {e}")
     f = paths.delta_file(r, w)
     if not sharedfs.exists(f):  # a listing: the sidecar is published after the delta (NFS lookup cache)
         raise RejectedDelta(w, "sidecar present but the delta file is missing")

@@ -21,7 +21,7 @@ import torch
 from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
-from train.exchange.protocol import RejectedDelta, check_sidecar
+from train.exchange.protocol import CHECKSUM_DIFFERS, RejectedDelta, check_sidecar
 from train.core.store import atomic_publish_dir, new_tmp_dir, write_manifest
 from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import SequentialReader, StreamingWriter, read_header
@@ -54,12 +54,12 @@ def reduce_round(paths: DiLoCoPaths, r: int, workers: list[int], metas: dict[int
                  update: Update, state_specs: StateSpecs) -> dict:
     """Stream θ_r, the outer state of round r and the deltas tensor by tensor; publish rounds/r+1/global/ and write
     outer_state of r + 1 (not yet committed: the caller writes COMMITTED). Raises RejectedDelta when a delta turns
-    out non-finite or its bytes do not match the sidecar's sha256; nothing of round r + 1 is left behind then."""
+    out non-finite or its bytes do not match the sidecar's checksum; nothing of round r + 1 is left behind then."""
     total = sum(weights)
     g_reader = SequentialReader(paths.global_dir(r) / WEIGHTS, hash_bytes=False)
     m_path = paths.outer_state(r)
     m_reader = SequentialReader(m_path, hash_bytes=False) if sharedfs.exists(m_path) else None
-    d_readers = {w: SequentialReader(paths.delta_file(r, w)) for w in workers}
+    d_readers = {w: SequentialReader(paths.delta_file(r, w), like=metas[w]["sha256"]) for w in workers}
 
     def prev(key: str) -> torch.Tensor | None:
         return m_reader.read(key) if m_reader is not None and key in m_reader.header else None
@@ -101,9 +101,9 @@ def reduce_round(paths: DiLoCoPaths, r: int, workers: list[int], metas: dict[int
                     mw.write(key, t)
             for w, rd in d_readers.items():
                 if rd.finish() != metas[w]["sha256"]:
-                    raise RejectedDelta(w, "sha256 of the file differs from its sidecar (torn or corrupt)")
+                    raise RejectedDelta(w, CHECKSUM_DIFFERS)
                 rd.close()
-        write_manifest(tmp_dir, hashes={WEIGHTS: pw.sha256})
+        write_manifest(tmp_dir, hashes={WEIGHTS: pw.digest})
         atomic_publish_dir(tmp_dir, new_dir)
     except BaseException:
         if tmp_dir is not None:

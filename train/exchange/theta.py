@@ -16,12 +16,11 @@ outer.checkpoint_every rounds, round 0 and the last round) and applies the updat
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 
-from train.core import sharedfs
+from train.core import digest, sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
 from train.core.store import read_json
@@ -30,12 +29,13 @@ from train.core.tensorio import SequentialReader, read_header, tensor_bytes
 from train.exchange.codec import Codec, CodecError
 
 
-def theta_checksum(tensors: dict[str, torch.Tensor], names: list[str]) -> str:
-    """sha256 of the tensors' raw bytes in `names` order (file order): the same bits give the same checksum."""
-    h = hashlib.sha256()
+def theta_checksum(tensors: dict[str, torch.Tensor], names: list[str], like: str | None = None) -> str:
+    """The checksum of the tensors' raw bytes in `names` order (file order): the same bits give the same checksum
+    (train/core/digest.py; `like`: in the algorithm of that stored checksum)."""
+    h = digest.Hasher(like)
     for n in names:
         h.update(tensor_bytes(tensors[n]))
-    return h.hexdigest()
+    return h.text()
 
 
 def file_order(path: Path) -> list[str]:
@@ -45,7 +45,7 @@ def file_order(path: Path) -> list[str]:
 
 def read_update(paths: DiLoCoPaths, r: int, codec: Codec,
                 shapes: dict[str, tuple]) -> tuple[dict[str, torch.Tensor], int]:
-    """The decoded update of round r ({name: float32}), checked against its codec and the commit record's sha256;
+    """The decoded update of round r ({name: float32}), checked against its codec and the commit record's checksum;
     returns (update, bytes read)."""
     f = paths.update_file(r)
     rec = read_json(paths.committed(r))
@@ -54,7 +54,7 @@ def read_update(paths: DiLoCoPaths, r: int, codec: Codec,
         codec.check_header(header, shapes, meta)
     except (OSError, ValueError) as e:
         raise ProtocolError(f"{f}: not a valid {codec.name} update ({e})") from None
-    rd = SequentialReader(f)
+    rd = SequentialReader(f, like=rec.get("update_sha256") or None)
     stored: dict[str, torch.Tensor] = {}
     try:
         for k in rd.names_in_order:
@@ -63,7 +63,7 @@ def read_update(paths: DiLoCoPaths, r: int, codec: Codec,
     finally:
         rd.close()
     if rec.get("update_sha256") and sha != rec["update_sha256"]:
-        raise ProtocolError(f"{f}: sha256 differs from the commit record (torn or corrupt update)")
+        raise ProtocolError(f"{f}: checksum differs from the commit record (torn or corrupt update)")
     out = {}
     for n, s in shapes.items():
         try:
@@ -192,7 +192,7 @@ class GlobalTheta:
 
     def verify(self, k: int) -> None:
         want = read_json(self.paths.committed(k)).get("theta_sha256")
-        if want and theta_checksum(self.tensors, self.names) != want:
+        if want and theta_checksum(self.tensors, self.names, like=want) != want:
             raise ProtocolError(f"round {k}: this copy of θ differs from the coordinator's (checksum mismatch); "
                                 f"its files may be corrupt. Restart the process: it reloads from the last "
                                 f"checkpoint")

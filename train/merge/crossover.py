@@ -240,4 +240,4 @@ def merge_files(spec: MergeSpec, a: ParentFiles, b: ParentFiles, out_weights: Pa
             finite = finite and bool(torch.isfinite(child).all())
             pw.write(n, child)
     return {"bytes_read": sum(x.bytes_read for x in opened.values()),
-            "bytes_written": pw.nbytes + (mw.nbytes if mw else 0), "sha256": pw.sha256, "finite": finite}
+            "bytes_written": pw.nbytes + (mw.nbytes if mw else 0), "sha256": pw.digest, "finite": finite}

@@ -16,7 +16,6 @@ Writes: train.core.tensorio.StreamingWriter into a temp directory, MANIFEST.json
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -32,6 +31,7 @@ from train.merge import methods as merge_methods
 from train.merge.methods import MergeError, Recipe, check_density, merge_tensor
 from train.core.store import atomic_publish_dir, new_tmp_dir, write_manifest
 from train.core.tensorio import TORCH_DTYPES, StreamingWriter, read_header
+from train.core.threads import intra_op_threads
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 # small files copied from the first model next to the merged weights (config.json always)
@@ -177,18 +177,6 @@ def _all_finite(t: torch.Tensor) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _intra_op_threads(n: int | None):
-    """torch's intra-op threads set to n for the block (None: unchanged), restored after."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def check_compatible(model_dirs: Sequence[Path], base_model_dir: Path | None = None) -> dict:
     """Check that the models (and the base) merge: same model_type / architectures / vocab_size /
     tie_word_embeddings, same tokenizer vocabulary size where tokenizer.json is present, the same tensor names
@@ -241,7 +229,7 @@ def merge_model_dirs(recipe: Recipe, model_dirs: Sequence[Path], out_dir: Path, 
         if progress:
             from tqdm import tqdm
             names = tqdm(names, desc=f"merge ({recipe.method})", unit="tensor")
-        with _intra_op_threads(threads), StreamingWriter(tmp / WEIGHTS, specs, metadata={"format": "pt"}) as w:
+        with intra_op_threads(threads), StreamingWriter(tmp / WEIGHTS, specs, metadata={"format": "pt"}) as w:
             for name in names:
                 out_dtype, shape = specs[name]
                 numel = torch.Size(shape).numel()
@@ -257,7 +245,7 @@ def merge_model_dirs(recipe: Recipe, model_dirs: Sequence[Path], out_dir: Path, 
                     finite = finite and _all_finite(t)
                 w.write(name, t)
                 del t
-        write_manifest(tmp, hashes={WEIGHTS: w.sha256})
+        write_manifest(tmp, hashes={WEIGHTS: w.digest})
         atomic_publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -266,4 +254,4 @@ def merge_model_dirs(recipe: Recipe, model_dirs: Sequence[Path], out_dir: Path, 
         for m in models + ([base] if base else []):
             m.close()
     return {"bytes_read": sum(m.bytes_read for m in models + ([base] if base else [])), "bytes_written": w.nbytes,
-            "sha256": w.sha256, "seconds": time.perf_counter() - t0, "finite": finite}
+            "sha256": w.digest, "seconds": time.perf_counter() - t0, "finite": finite}

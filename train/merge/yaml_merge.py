@@ -23,7 +23,8 @@ from train.core.store import atomic_publish_dir, new_tmp_dir, write_manifest
 from train.core.tensorio import StreamingWriter
 from train.merge import kernels
 from train.merge.methods import Recipe, merge_tensor, tensor_seed
-from train.merge.stream import _all_finite, _intra_op_threads
+from train.core.threads import intra_op_threads
+from train.merge.stream import _all_finite
 from train.merge.yaml_plan import GTA, OutTensor, Plan
 
 DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -193,13 +194,13 @@ def run_yaml_merge(plan: Plan, out_dir: Path, *, seed: int = 0, device: str = "c
         if progress:
             from tqdm import tqdm
             tensors = tqdm(tensors, desc=f"merge ({plan.method_name})", unit="tensor")
-        with _intra_op_threads(threads if device == "cpu" else None), \
+        with intra_op_threads(threads if device == "cpu" else None), \
                 StreamingWriter(tmp / "model.safetensors", specs, metadata={"format": "pt"}) as w:
             for ot in tensors:
                 t = merge_one(plan, ot, seed, device, specs[ot.name][0])
                 finite = finite and _all_finite(t)  # chunk by chunk: isfinite(t) would double the peak
                 w.write(ot.name, t)
-        write_manifest(tmp, hashes={"model.safetensors": w.sha256})
+        write_manifest(tmp, hashes={"model.safetensors": w.digest})
         atomic_publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
