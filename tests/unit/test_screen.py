@@ -138,3 +138,22 @@ def test_stride_is_prime_and_one_for_small_models():
     assert stride_for(10) == 1 and stride_for(1 << 20) == 1
     s = stride_for(500_000_000)
     assert s >= 477 and all(s % p for p in range(2, int(s ** 0.5) + 1))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_cosines_equal_the_sums_over_every_pair(seed):
+    # decide takes each delta's cosine with the weighted sum of the others from the Gram matrix in O(N²); the
+    # definition, Σ_j Σ_l w_j w_l G_jl over the others for each i, is O(N³): both give the same cosines
+    rng = random.Random(seed)
+    n = rng.randint(3, 24)
+    S = torch.randn(n, 50, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    S *= torch.tensor([rng.uniform(0.7, 1.4) for _ in range(n)], dtype=torch.float64)[:, None]
+    gram = (S @ S.T).tolist()
+    weights = [rng.randint(500, 5000) for _ in range(n)]
+    norms = [math.sqrt(gram[i][i]) for i in range(n)]
+    _, info = decide(list(range(n)), norms, gram, weights, ratio=3.0, min_cos=-1.0)
+    for i in range(n):
+        o = [j for j in range(n) if j != i]
+        dot = sum(weights[j] * gram[i][j] for j in o)
+        o2 = sum(weights[j] * weights[k] * gram[j][k] for j in o for k in o)
+        assert info[i]["cos"] == pytest.approx(round(dot / math.sqrt(gram[i][i] * o2), 4), abs=1e-4)

@@ -127,6 +127,7 @@ class Coordinator:
             # committed first, evaluated after: the workers start while the coordinator evaluates θ_0
             commit(paths, 0, {"protocol": PROTOCOL_VERSION, "record": {"round": 0, "time": time.time(), "tokens": 0,
                                                                        "inner_steps": 0}})
+        self.listed: set[str] = set()  # the names of the last listing of a deltas folder (arrived)
         self.membership = Membership(paths, self.expected(paths.latest_committed())[1], cfg.outer)
         self.membership.join_from = self.layout.last["slots"]
         if not fresh:
@@ -249,7 +250,9 @@ class Coordinator:
 
     # -- waiting for deltas ---------------------------------------------------------------------------------------
     def arrived(self, r: int) -> list[int]:
-        return arrived(self.paths, r, self.layout.slots(r))
+        """Workers whose delta of round r is published; the listing's names stay in self.listed (check_sidecar needs
+        no listing of its own per delta: one of 2N names each made a round's listings grow as N²)."""
+        return arrived(self.paths, r, self.layout.slots(r), self.listed)
 
     def check_slice(self, r: int, w: int, meta: dict) -> dict:
         """The delta was trained on worker w's slice of round r in the current layout (not an older one)."""
@@ -289,7 +292,7 @@ class Coordinator:
                     continue
                 try:
                     acc.add(w, self.check_slice(r, w, check_sidecar(self.paths, r, w, self.master.delta_codec,
-                                                                     acc.shapes)))
+                                                                     acc.shapes, self.listed)))
                 except RejectedDelta as e:
                     rejected[w] = e.reason
                     log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)

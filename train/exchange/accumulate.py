@@ -3,9 +3,10 @@ the work left after the last arrival (one delta, the outer step, the commit) doe
 
 Each delta is read once, front to back, on a background thread that hashes its bytes as they come
 (train/core/tensorio.py's PipelinedReader), while this thread checks and adds the tensor before it: its size and
-header are checked against the sidecar, the run's codec and the global model's shapes before a byte of data is read,
-each tensor's values (finite, scales >= 0) just before it is added, and the file's sha256 against the sidecar's once
-the last byte is in. A delta rejected after some of its tensors went into the sum (a torn file whose sha256 differs,
+header are checked against the sidecar, the run's codec and the global model's shapes before a value is used (from
+the reader's own open of the file: one open per delta), each tensor's values (finite, scales >= 0) just before it is
+added, and the file's checksum (train/core/digest.py) against the sidecar's once
+the last byte is in. A delta rejected after some of its tensors went into the sum (a torn file whose checksum differs,
 a NaN in its last tensor) is taken back out by rebuilding the sum from the accepted files in one fixed order, as the
 screen's `drop` does, never by subtracting: a rejected delta leaves no trace in the sum.
 
@@ -126,12 +127,17 @@ class Accumulator:
         a = (float(meta["tokens"]) if self.token_weighted else 1.0) * (late_weight if late else 1.0)
         key = w if self.stats is not None and not late and observe else None
         ph = self.phases
-        with ph("checks"):
-            open_checked(self, w, f, meta)
         groups = [(n, list(self.codec.specs(n, tuple(s)))) for n, s in self.shapes.items()]
         touched = False
-        rd = PipelinedReader(f, groups, phases=ph, like=meta["sha256"])
         try:
+            rd = PipelinedReader(f, groups, phases=ph, like=meta["sha256"])
+        except (ValueError, OSError) as e:
+            raise RejectedDelta(w, _whole_file_reason(self, f, meta) or f"unreadable delta file ({e})")
+        try:
+            with ph("checks"):  # before a value is used: size and header, from the reader's own open (one per delta)
+                if rd.size != meta["bytes"]:
+                    raise ValueError(f"file has {rd.size} bytes, sidecar says {meta['bytes']} (truncated?)")
+                self.codec.check_header(rd.header, self.shapes, rd.metadata)
             with intra_op_threads(beside_io(1)):  # the reader thread keeps a core (train/core/threads.py)
                 for n, stored in rd:
                     with ph("checks"):

@@ -92,10 +92,12 @@ def publish_sidecar(paths: DiLoCoPaths, sidecar: dict) -> None:
     atomic_write_json(paths.delta_meta(sidecar["round"], sidecar["worker"]), sidecar)
 
 
-def check_sidecar(paths: DiLoCoPaths, r: int, w: int, codec: "Codec | str", shapes: dict | None = None) -> dict:
+def check_sidecar(paths: DiLoCoPaths, r: int, w: int, codec: "Codec | str", shapes: dict | None = None,
+                  listed: set[str] | None = None) -> dict:
     """Cheap checks before reading tensors: sidecar fields, round, worker, size, and the header against the codec
     (`codec`: a Codec or a dtype name) and the shapes the delta must have (`shapes`: the round's fragment; default
-    the global model's)."""
+    the global model's). `listed`: the names of the deltas folder in the caller's listing that showed the sidecar
+    (the delta file was moved in before it; a name missing there is looked for in a new listing)."""
     try:
         meta = read_json(paths.delta_meta(r, w))
     except (OSError, ValueError) as e:
@@ -116,7 +118,7 @@ def check_sidecar(paths: DiLoCoPaths, r: int, w: int, codec: "Codec | str", shap
     except ValueError as e:
         raise RejectedDelta(w, f"sidecar's sha256: {e}")
     f = paths.delta_file(r, w)
-    if not sharedfs.exists(f):  # a listing: the sidecar is published after the delta (NFS lookup cache)
+    if not (listed is not None and f.name in listed) and not sharedfs.exists(f):  # a listing (NFS lookup cache)
         raise RejectedDelta(w, "sidecar present but the delta file is missing")
     size = sharedfs.stat(f).st_size
     if size != meta["bytes"]:

@@ -44,9 +44,13 @@ def param_order(paths: DiLoCoPaths, r: int) -> list[str]:
     return sorted(header, key=lambda k: header[k]["data_offsets"][0])
 
 
-def arrived(paths: DiLoCoPaths, r: int, num_workers: int) -> list[int]:
-    """Workers whose delta of round r is published (its sidecar marks it complete)."""
+def arrived(paths: DiLoCoPaths, r: int, num_workers: int, listed: set[str] | None = None) -> list[int]:
+    """Workers whose delta of round r is published (its sidecar marks it complete). `listed`: a set that gets the
+    listing's names (check_sidecar's `listed`: the delta files it showed need no second listing)."""
     present = set(sharedfs.names(paths.deltas_dir(r)))  # a listing, not lookups (NFS: train/core/sharedfs.py)
+    if listed is not None:
+        listed.clear()
+        listed.update(present)
     return [w for w in range(num_workers) if paths.delta_meta(r, w).name in present]
 
 

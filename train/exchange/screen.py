@@ -116,10 +116,18 @@ def decide(keys: list, norms: list[float], gram: list[list[float]], weights: lis
     kept = [i for i, k in enumerate(keys) if k not in rejected]
     if len(kept) < MIN_DELTAS:
         return rejected, info
-    for i in kept:
-        others = [j for j in kept if j != i]
-        dot = sum(weights[j] * gram[i][j] for j in others)
-        o2 = sum(weights[j] * weights[l] * gram[j][l] for j in others for l in others)
+    # the weighted sum of the others, o_i = Σ_{j≠i} w_j s_j, through the Gram matrix of the kept: ⟨s_i, o_i⟩ =
+    # (G w)_i − w_i G_ii and |o_i|² = wᵀG w − 2 w_i (G w)_i + w_i² G_ii, O(N²) (the sums over every pair for every i
+    # were O(N³) Python: 3 s of the coordinator's tail at N = 256, bench/scale.py). float64; the kept norms lie
+    # within outer.screen_norm_ratio of each other, so no term dwarfs the result it is subtracted into
+    G = torch.tensor([[gram[i][j] for j in kept] for i in kept], dtype=torch.float64)
+    w = torch.tensor([float(weights[i]) for i in kept], dtype=torch.float64)
+    Gw = G @ w
+    diag = torch.diagonal(G)
+    dots = (Gw - w * diag).tolist()
+    o2s = (w @ Gw - 2 * w * Gw + w * w * diag).tolist()
+    for x, i in enumerate(kept):
+        dot, o2 = dots[x], o2s[x]
         if gram[i][i] <= 0 or o2 <= 0:
             continue
         cos = dot / math.sqrt(gram[i][i] * o2)
