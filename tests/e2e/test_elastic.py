@@ -123,7 +123,6 @@ def _running(pid: int | None) -> bool:
 # -- DiLoCo: a SIGKILLed worker is restarted by the simulator -------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
-@pytest.mark.long  # a variant of tests/e2e/test_kill.py's worker kills (through the simulator's restarts)
 def test_sigkill_worker_mid_round_the_simulator_restarts_it_and_the_run_finishes(tmp_path, write_config):
     """3 workers; SIGKILL worker 1 while it trains round 1: its supervisor restarts it, it resumes from its own state
     and the same run finishes (no rerun); the final model loads; every delta counted once."""
