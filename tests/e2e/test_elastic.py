@@ -311,7 +311,6 @@ def _stream_windows(paths: DiLoCoPaths) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
-@pytest.mark.long  # a variant of the join below (a resize at a resume); the default tier keeps under 10 minutes
 def test_resume_with_more_then_fewer_workers_reads_no_window_twice(tmp_path, write_config):
     """2 workers for 2 rounds, then the same run resumed with 3 workers, then with 1: the data layout re-splits the
     stream at the first round nobody started, every used delta's slice is disjoint from every other and the tokens
