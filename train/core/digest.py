@@ -64,11 +64,11 @@ def of_bytes(data, like: str | None = None) -> str:
     return h.text()
 
 
-def of_file(path: str | os.PathLike, like: str | None = None, bufsize: int = 1 << 22) -> str:
-    """The checksum of a file's bytes, read through the shared disk's retry policy (train/core/sharedfs.py)."""
+def feed_file(h, path: str | os.PathLike, bufsize: int = 1 << 22):
+    """Feed a file's bytes to `h` (anything with `update`: a Hasher, a hashlib object), read through the shared
+    disk's retry policy (train/core/sharedfs.py); returns `h`."""
     from train.core import sharedfs
 
-    h = Hasher(like)
     fd = sharedfs.open_fd(path, os.O_RDONLY)
     try:
         off = 0
@@ -77,4 +77,9 @@ def of_file(path: str | os.PathLike, like: str | None = None, bufsize: int = 1 <
             off += len(chunk)
     finally:
         os.close(fd)
-    return h.text()
+    return h
+
+
+def of_file(path: str | os.PathLike, like: str | None = None, bufsize: int = 1 << 22) -> str:
+    """The checksum of a file's bytes (in the algorithm of `like`, a stored checksum, when given)."""
+    return feed_file(Hasher(like), path, bufsize).text()

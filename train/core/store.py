@@ -175,16 +175,11 @@ def read_json(path: str | os.PathLike) -> Any:
 
 
 def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    fd = sharedfs.open_fd(path, os.O_RDONLY)
-    try:
-        off = 0
-        while chunk := sharedfs.pread(fd, bufsize, off, path):
-            h.update(chunk)
-            off += len(chunk)
-    finally:
-        os.close(fd)
-    return h.hexdigest()
+    """A file's sha256 in hex (the launcher's fingerprints of configs and code; the protocol's checksums are
+    train/core/digest.py's)."""
+    from train.core.digest import feed_file
+
+    return feed_file(hashlib.sha256(), path, bufsize).hexdigest()
 
 
 # -- manifests ------------------------------------------------------------------------------------------------------
