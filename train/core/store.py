@@ -138,14 +138,18 @@ def tmp_name(path: Path) -> Path:
 fsync_dir = sharedfs.fsync_dir
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
     """Create `path` atomically: a temp file in the same folder (every byte at its offset, fsync), then a rename.
-    The shared disk's retry policy covers each step (train/core/sharedfs.py); a failed attempt leaves no temp."""
+    The shared disk's retry policy covers each step (train/core/sharedfs.py); a failed attempt leaves no temp.
+    `durable=False` (a record rewritten every second, whose loss in a server crash only makes it look older: the
+    heartbeat's lease ticks): no fsync of the file or the folder, and the folder is not made again (it must exist):
+    a rename is still atomic, and close() sends the bytes to an NFS server before it returns (close-to-open)."""
     path = Path(path)
-    sharedfs.makedirs(path.parent)
+    if durable:
+        sharedfs.makedirs(path.parent)
     tmp = tmp_name(path)
     try:
-        sharedfs.write_file(tmp, data)
+        sharedfs.write_file(tmp, data, durable=durable)
         sharedfs.replace(tmp, path)
     except BaseException:
         try:
@@ -153,7 +157,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         except OSError:
             pass
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> None:
@@ -166,8 +171,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: st
     atomic_write_bytes(path, data if isinstance(data, bytes) else data.encode())
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, durable: bool = True) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), durable=durable)
 
 
 def read_json(path: str | os.PathLike) -> Any:
