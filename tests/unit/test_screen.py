@@ -134,6 +134,22 @@ def test_sampled_cosines_of_a_large_model_match_the_exact_ones():
         assert exact[k]["norm_ratio"] == sampled[k]["norm_ratio"]  # norms are always exact
 
 
+def test_wide_rounds_sample_less_so_the_gram_matrix_stays_bounded():
+    """A round awaiting N deltas samples at most GRAM_BUDGET / N² values of each: the Gram matrix and the samples'
+    memory stay bounded in N (bench/scale.py); up to 16 deltas nothing changes."""
+    from train.exchange.screen import GRAM_BUDGET, MIN_SAMPLE, SAMPLE, sample_size
+
+    assert sample_size(1) == sample_size(16) == SAMPLE
+    assert sample_size(64) == 1 << 16 and sample_size(256) == MIN_SAMPLE == sample_size(4096)
+    for n in (17, 100, 256):
+        assert n * n * sample_size(n) <= GRAM_BUDGET
+    shapes = {"w": (1000, 1000)}
+    st = DeltaStats(shapes, deltas=256)
+    assert st.stride == stride_for(10 ** 6, MIN_SAMPLE) and 10 ** 6 // st.stride <= MIN_SAMPLE
+    st.observe(0, "w", torch.ones(1000, 1000))
+    assert sum(t.numel() for t in st.samples[0]) <= MIN_SAMPLE + 1 and st.norm2[0] == 10 ** 6
+
+
 def test_stride_is_prime_and_one_for_small_models():
     assert stride_for(10) == 1 and stride_for(1 << 20) == 1
     s = stride_for(500_000_000)

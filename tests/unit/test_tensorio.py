@@ -227,3 +227,30 @@ def test_iter_tensors_reads_every_byte_now_not_through_the_memory_map(tmp_path):
         g.write(torch.full((4,), 7.0).numpy().tobytes())
     f.unlink()
     assert torch.equal(got["a"], torch.zeros(1024)) and torch.equal(got["b"], torch.arange(8.0))
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_pipelined_reader_inline_and_threaded_give_the_same_groups_and_checksum(tmp_path, monkeypatch, threaded):
+    """Files up to PipelinedReader.INLINE are read in the caller's thread, larger ones on a background thread: the
+    same groups, the same checksum of every byte, in file order or not, and the same errors."""
+    from train.core.tensorio import PipelinedReader
+
+    if threaded:
+        monkeypatch.setattr(PipelinedReader, "INLINE", 0)
+    tensors = _sample()
+    path = tmp_path / "d.safetensors"
+    sha = save_streaming(path, tensors)
+    names = list(tensors)
+    for groups in ([(n, [n]) for n in names[:3]], [("all", list(reversed(names)))]):
+        rd = PipelinedReader(path, groups)
+        assert (rd._t is not None) == threaded
+        got = {k: v for _, out in rd for k, v in out.items()}
+        assert rd.finish() == sha
+        _assert_equal_dicts(got, {n: tensors[n] for _, ns in groups for n in ns})
+    assert _open_fds_under(tmp_path) == []
+    path.write_bytes(path.read_bytes()[:-5])  # truncated inside the last tensor
+    rd = PipelinedReader(path, [("all", names)])
+    with pytest.raises(ValueError, match="truncated"):
+        list(rd)
+    rd.close()
+    assert _open_fds_under(tmp_path) == []

@@ -341,9 +341,14 @@ class PipelinedReader:
 
     `groups` names every tensor the caller wants, each once. When they are not one contiguous run of the file's
     order (a file written by another writer), the file is read whole, in its own order, before the first group is
-    handed over: the same result, without the overlap. Close it (`close`) when the loop stops early."""
+    handed over: the same result, without the overlap. Close it (`close`) when the loop stops early.
+
+    A file of at most INLINE bytes is read whole in the caller's thread, in one read, as it iterates: the same
+    tensors and checksum, without the thread and without a read per tensor (for a small delta the hand-offs and the
+    one-request-per-tensor reads cost more than the overlap saves: 256 small deltas a round, bench/scale.py)."""
 
     PIECE = 8 << 20  # bytes per read (and hash update) inside a tensor
+    INLINE = 4 << 20  # files up to this size are read without the background thread
 
     def __init__(self, path: str | os.PathLike, groups: list[tuple[object, list[str]]], depth: int = 2,
                  phases=None, like: str | None = None):
@@ -370,8 +375,10 @@ class PipelinedReader:
         wanted = [name for _, names in groups for name in names]
         order = sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0])
         self.in_order = wanted == order[:len(wanted)]
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
+        self._t = None
+        if self.size > self.INLINE:
+            self._t = threading.Thread(target=self._run, daemon=True)
+            self._t.start()
 
     _END = object()
 
@@ -407,44 +414,77 @@ class PipelinedReader:
                 self._hash.update(piece)
         return _tensor_from(buf, info), end
 
+    def _items_whole(self):
+        """A small file: every byte in one read and one hash update, then the groups from memory."""
+        data = bytearray(self.size)
+        with self.phases("read"):
+            got = sharedfs.preadinto(self._fd, data, 0, self.path)
+        if got != self.size:
+            raise ValueError(f"{self.path}: truncated (read {got} of {self.size} bytes)")
+        self.nbytes += got
+        with self.phases("checksum"):
+            self._hash.update(data)
+        view = memoryview(data)
+        for key, names in self.groups:
+            out = {}
+            for name in names:
+                info = self.header.get(name)
+                if info is None:
+                    raise ValueError(f"{self.path}: no tensor {name!r}")
+                start, end = info["data_offsets"]
+                if end < start or self._base + end > self.size:
+                    raise ValueError(f"{self.path}: truncated inside tensor {name!r}")
+                out[name] = _tensor_from(bytearray(view[self._base + start:self._base + end]), info)
+            yield key, out
+
+    def _items(self):
+        """The groups, read and hashed in file order; the bytes after the last wanted tensor hashed at the end."""
+        with self.phases("read"):
+            head = sharedfs.pread(self._fd, self._base, 0, self.path)
+        self.nbytes += len(head)
+        self._hash.update(head)
+        pos = 0
+        if self.in_order:
+            for key, names in self.groups:
+                out = {}
+                for name in names:
+                    out[name], pos = self._read(name, pos)
+                yield key, out
+                if self._stop:
+                    return
+        else:  # the whole file in its own order, then the groups from memory
+            every = {}
+            for name in sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0]):
+                every[name], pos = self._read(name, pos)
+            for key, names in self.groups:
+                missing = [x for x in names if x not in every]
+                if missing:
+                    raise ValueError(f"{self.path}: no tensor {missing[0]!r}")
+                yield key, {x: every[x] for x in names}
+        if self.in_order:  # the tensors nobody asked for, hashed
+            for name in sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0]):
+                if self.header[name]["data_offsets"][0] >= pos:
+                    _, pos = self._read(name, pos)
+        off = self._base + pos
+        while chunk := sharedfs.pread(self._fd, self.PIECE, off, self.path):
+            off += len(chunk)
+            self.nbytes += len(chunk)
+            self._hash.update(chunk)
+
     def _run(self) -> None:
         try:
-            with self.phases("read"):
-                head = sharedfs.pread(self._fd, self._base, 0, self.path)
-            self.nbytes += len(head)
-            self._hash.update(head)
-            pos = 0
-            if self.in_order:
-                for key, names in self.groups:
-                    out = {}
-                    for name in names:
-                        out[name], pos = self._read(name, pos)
-                    self._put((key, out))
-                    if self._stop:
-                        return
-            else:  # the whole file in its own order, then the groups from memory
-                every = {}
-                for name in sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0]):
-                    every[name], pos = self._read(name, pos)
-                for key, names in self.groups:
-                    missing = [x for x in names if x not in every]
-                    if missing:
-                        raise ValueError(f"{self.path}: no tensor {missing[0]!r}")
-                    self._put((key, {x: every[x] for x in names}))
-            if self.in_order:  # the tensors nobody asked for, hashed
-                for name in sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0]):
-                    if self.header[name]["data_offsets"][0] >= pos:
-                        _, pos = self._read(name, pos)
-            off = self._base + pos
-            while chunk := sharedfs.pread(self._fd, self.PIECE, off, self.path):
-                off += len(chunk)
-                self.nbytes += len(chunk)
-                self._hash.update(chunk)
+            for item in self._items():
+                self._put(item)
+                if self._stop:
+                    return
             self._put(self._END)
         except BaseException as e:  # raised in the caller's thread
             self._put(e)
 
     def __iter__(self):
+        if self._t is None:
+            yield from self._items_whole()
+            return
         while True:
             item = self._q.get()
             if item is self._END:
@@ -462,12 +502,13 @@ class PipelinedReader:
         import queue
 
         self._stop = True
-        while self._t.is_alive():
+        while self._t is not None and self._t.is_alive():
             try:
                 self._q.get(timeout=0.05)
             except queue.Empty:
                 pass
-        self._t.join()
+        if self._t is not None:
+            self._t.join()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -26,7 +26,7 @@ from train.core.logs import make_metric_logger
 from train.core.model import (build_model, check_model_fits, load_tokenizer, load_weights_into, pick_device,
                               save_model_dir)
 from train.exchange.accumulate import Accumulator
-from train.exchange.expect import Expect
+from train.exchange.expect import Closing, Expect
 from train.exchange.layout import Layout
 from train.exchange.master import OuterMaster
 from train.exchange.membership import Membership, workers_alive
@@ -275,7 +275,7 @@ class Coordinator:
         slots, N = self.expected(r)
         self.membership.set_workers(N)
         self.lease.set("collecting", round=r)
-        acc = self.master.new_accumulator(r)
+        acc = self.master.new_accumulator(r, N)
         rejected: dict[int, str] = {}
         t0 = time.monotonic()
         t_last = time.perf_counter()
@@ -284,6 +284,7 @@ class Coordinator:
         warned, shown = False, -1
         d, t_leases = None, 0.0
         every = leases_every_s(N, oc.dead_after_s)
+        closing = Closing(N, oc.poll_interval_s)
         while True:
             self.monitor()
             got = self.arrived(r)
@@ -292,7 +293,7 @@ class Coordinator:
                     continue
                 try:
                     acc.add(w, self.check_slice(r, w, check_sidecar(self.paths, r, w, self.master.delta_codec,
-                                                                     acc.shapes, self.listed)))
+                                                                     acc.shapes, self.listed, file_checks=False)))
                 except RejectedDelta as e:
                     rejected[w] = e.reason
                     log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)
@@ -321,9 +322,12 @@ class Coordinator:
                             time.monotonic() - t0, len(got), oc.min_workers, d.summary())
                 warned = True
             fast = self.expect_last.interval(time.monotonic() - t0)
+            if fast >= oc.poll_interval_s and closing.due(N - len(got)):
+                fast = closing.fast  # the last few deltas are due: when rounds are too irregular for expect_last
             if fast < oc.poll_interval_s:  # the round's last delta is due: list the deltas folder alone, more often
-                n_got = len(got)
+                n_got, t_fast = len(got), time.monotonic()
                 wait_for(lambda: len(self.arrived(r)) > n_got, oc.poll_interval_s, fast)
+                closing.spent(time.monotonic() - t_fast)
             else:
                 time.sleep(oc.poll_interval_s)
         if not why:  # every awaited delta came: when the last one did, for the next rounds' polling (expect.py)

@@ -51,7 +51,7 @@ from train.core.heartbeat import Heartbeat
 from train.diloco.policy import for_config
 from train.diloco.resume import ResumeState
 from train.exchange.codec import Residual
-from train.exchange.expect import Expect
+from train.exchange.expect import Expect, wait_commit
 from train.exchange.layout import Layout
 from train.exchange.master import exchange_codecs
 from train.exchange.protocol import delta_sidecar, publish_sidecar, write_delta
@@ -89,7 +89,8 @@ class Worker(ResumeState):
         self.dist = DistInfo()  # set by setup(): rank 0 of 1 unless started by torchrun
         self.paths = DiLoCoPaths(prepare_run_dir(cfg.run_dir, cfg.source))
         self.poll = cfg.outer.poll_interval_s
-        self.expect_commit = Expect(self.poll)  # when the commit usually comes after our delta (expect.py)
+        # when the commit usually comes after our delta; the N workers share its fast polls (expect.py)
+        self.expect_commit = Expect(self.poll, cfg.outer.num_workers)
         self.hb = Heartbeat(self.paths.progress(worker_id), worker_id)
         # called while waiting: says when the coordinator dies or comes back (train/core/coordinator_lease.py);
         # may raise
@@ -214,10 +215,9 @@ class Worker(ResumeState):
     def wait_commit(self, r: int) -> None:
         """Until round r is committed (or the coordinator's watch raises): polled every outer.poll_interval_s, and
         faster where the commit usually comes after our delta (train/exchange/expect.py)."""
-        t0 = time.monotonic()
-        while not (self.monitor() or (self.paths.latest_committed(self._latest) or 0) > r):
-            time.sleep(self.expect_commit.interval(time.monotonic() - t0))
-        self.expect_commit.seen(time.monotonic() - t0)
+        latest = wait_commit(self.paths, r, self._latest, self.expect_commit, self.monitor)
+        if latest is not None:
+            self._latest = latest
 
     # -- membership: our slot in the data layout (train/exchange/layout.py, docs/elastic.md) -------------------------
     def layout_changed(self) -> bool:

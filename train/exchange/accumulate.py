@@ -104,7 +104,7 @@ class Accumulator:
     """Σ_w a_w Δ_w over the accepted deltas of round r (a_w = tokens, or 1 without token weighting)."""
 
     def __init__(self, paths: DiLoCoPaths, r: int, shapes: dict[str, tuple], codec: Codec, token_weighted: bool,
-                 screen: bool = False, phases=None):
+                 screen: bool = False, phases=None, expected: int = 1):
         self.paths, self.r, self.shapes, self.codec = paths, r, shapes, codec
         self.token_weighted = token_weighted
         self.sum: dict[str, torch.Tensor] = {}   # flat float64, one per tensor
@@ -116,8 +116,9 @@ class Accumulator:
         self.weights: dict[int, float] = {}  # each on-time delta's weight a_w
         self.bytes_read = 0
         self.phases = phases or NO_PHASES  # where the time goes (bench/outer_step.py)
-        # outer.screen: each on-time delta's norm and sample, taken as it is decoded (train/exchange/screen.py)
-        self.stats = DeltaStats(shapes) if screen else None
+        # outer.screen: each on-time delta's norm and sample, taken as it is decoded (train/exchange/screen.py; its
+        # sample size from the `expected` deltas of the round)
+        self.stats = DeltaStats(shapes, expected) if screen else None
 
     def add(self, w: int, meta: dict, late_weight: float | None = None, observe: bool = True) -> None:
         """Check worker w's delta (its sidecar already passed check_sidecar) and add it; RejectedDelta otherwise.

@@ -97,16 +97,18 @@ class OuterMaster:
     def round(self) -> int | None:
         return self.theta.round
 
-    def new_accumulator(self, r: int) -> Accumulator:
+    def new_accumulator(self, r: int, expected: int = 1) -> Accumulator:
+        """Round r's accumulator; `expected`: the deltas the round awaits (the screen's sample size)."""
+        screen = getattr(self.oc, "screen", False)
         if self.sparse:
             from train.exchange.sparse import SparseAccumulator
 
             acc = SparseAccumulator(self.paths, r, self.frags.shapes(r), self.delta_codec, self.oc.token_weighted,
-                                    screen=getattr(self.oc, "screen", False))
+                                    screen=screen, expected=expected)
             acc.phases = self.phases
             return acc
         return Accumulator(self.paths, r, self.frags.shapes(r), self.delta_codec, self.oc.token_weighted,
-                           screen=getattr(self.oc, "screen", False), phases=self.phases)
+                           screen=screen, phases=self.phases, expected=expected)
 
     def is_checkpoint_round(self, r: int) -> bool:
         return self.codec is None or r % self.oc.checkpoint_every == 0 or r >= self.last_round

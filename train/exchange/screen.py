@@ -18,7 +18,14 @@ of the model's flat parameter vector, `stride` a prime so it does not line up wi
 models of up to SAMPLE values), at most SAMPLE float64 values (8 MB) per delta. The cosines come from the small Gram
 matrix of these samples: exact up to SAMPLE parameters, an unbiased estimate above (its error, about 1/sqrt(SAMPLE)
 = 0.001 for dense deltas, is far below any threshold that matters). Nothing is read twice; the cost on the tail is
-one M x M Gram matrix and, only when something is rejected, the sum rebuilt from the accepted files.
+one N x N Gram matrix of N samples and, only when something is rejected, the sum rebuilt from the accepted files.
+
+That Gram matrix costs N² x (sample size) multiplications, and the samples N x (sample size) x 8 bytes: at N = 256
+with full 1M-value samples, 0.3 s of the coordinator's tail for the micro model already (bench/scale.py) and 2 GB
+for the 135M one. So a round that awaits N deltas samples at most GRAM_BUDGET / N² values of each (never fewer than
+MIN_SAMPLE): the full SAMPLE up to 16 deltas, 65,536 at 64, 4,096 at 256 (a cosine within about 1/sqrt(4096) =
+0.016 of the exact one: still far from the -0.5 threshold; the norms stay exact). The sample size depends only on the
+round's expected count, so every process that screens the same round samples the same values.
 
 `decide` is the decision itself, on numbers only (unit-tested in tests/unit/test_screen.py).
 """
@@ -30,6 +37,8 @@ import statistics
 import torch
 
 SAMPLE = 1 << 20   # sampled values kept per delta for the cosines (exact below this many parameters)
+GRAM_BUDGET = SAMPLE * 16 * 16  # N² x sample size: the full SAMPLE up to 16 deltas a round, less above
+MIN_SAMPLE = 4096  # ... but never fewer sampled values than this per delta
 MIN_DELTAS = 3     # the screen applies where a round has at least this many deltas
 STREAK = 3         # a worker screened out this many rounds in a row is reported (coordinator log and metrics)
 FRESH_SLACK = 4.0  # the norm band is this much wider for a delta trained from fresh optimizer moments
@@ -52,13 +61,20 @@ def stride_for(numel: int, sample: int | None = None) -> int:
     return s
 
 
-class DeltaStats:
-    """Per delta: its exact squared norm and its strided sample, fed tensor by tensor in the model's order."""
+def sample_size(deltas: int) -> int:
+    """Values sampled per delta in a round that awaits `deltas` deltas: SAMPLE, less where the Gram matrix of
+    that many samples would pass GRAM_BUDGET multiplications (never under MIN_SAMPLE)."""
+    return max(MIN_SAMPLE, min(SAMPLE, GRAM_BUDGET // max(1, int(deltas)) ** 2))
 
-    def __init__(self, shapes: dict[str, tuple]):
+
+class DeltaStats:
+    """Per delta: its exact squared norm and its strided sample, fed tensor by tensor in the model's order.
+    `deltas`: how many the round awaits (the sample size, `sample_size`)."""
+
+    def __init__(self, shapes: dict[str, tuple], deltas: int = 1):
         self.order = list(shapes)
         total = sum(math.prod(s) for s in shapes.values())
-        self.stride = stride_for(total)
+        self.stride = stride_for(total, sample_size(deltas))
         self.start: dict[str, int] = {}
         pos = 0
         for n in self.order:
@@ -83,17 +99,19 @@ class DeltaStats:
         self.norm2.pop(key, None)
         self.samples.pop(key, None)
 
-    def gram(self, keys: list) -> list[list[float]]:
+    def gram(self, keys: list) -> torch.Tensor:
+        """The float64 Gram matrix of the keys' samples, in their order."""
         if not keys:
-            return []
+            return torch.zeros(0, 0, dtype=torch.float64)
         S = torch.stack([torch.cat(self.samples[k]) for k in keys])
-        return (S @ S.T).tolist()
+        return S @ S.T
 
 
-def decide(keys: list, norms: list[float], gram: list[list[float]], weights: list[float], ratio: float,
+def decide(keys: list, norms: list[float], gram, weights: list[float], ratio: float,
            min_cos: float, fresh: set | frozenset = frozenset()) -> tuple[dict, dict]:
     """The screen's verdict on one round: ({key: reason} of the rejected, {key: {norm_ratio, cos}} of everyone).
-    `norms[i]`: delta i's exact L2 norm; `gram[i][j]`: the dot product of deltas i and j (of their samples);
+    `norms[i]`: delta i's exact L2 norm; `gram[i][j]`: the dot product of deltas i and j (of their samples: a float64
+    tensor, or nested lists);
     `weights[i]`: its weight in the mean (tokens); `fresh`: the keys trained from fresh optimizer moments (their norm
     band is FRESH_SLACK x wider). Fewer than MIN_DELTAS deltas: nothing is screened."""
     info: dict = {k: {} for k in keys}
@@ -120,17 +138,19 @@ def decide(keys: list, norms: list[float], gram: list[list[float]], weights: lis
     # (G w)_i − w_i G_ii and |o_i|² = wᵀG w − 2 w_i (G w)_i + w_i² G_ii, O(N²) (the sums over every pair for every i
     # were O(N³) Python: 3 s of the coordinator's tail at N = 256, bench/scale.py). float64; the kept norms lie
     # within outer.screen_norm_ratio of each other, so no term dwarfs the result it is subtracted into
-    G = torch.tensor([[gram[i][j] for j in kept] for i in kept], dtype=torch.float64)
+    idx = torch.tensor(kept, dtype=torch.long)
+    G = torch.as_tensor(gram, dtype=torch.float64)[idx][:, idx]
     w = torch.tensor([float(weights[i]) for i in kept], dtype=torch.float64)
     Gw = G @ w
     diag = torch.diagonal(G)
     dots = (Gw - w * diag).tolist()
     o2s = (w @ Gw - 2 * w * Gw + w * w * diag).tolist()
+    sq = diag.tolist()
     for x, i in enumerate(kept):
         dot, o2 = dots[x], o2s[x]
-        if gram[i][i] <= 0 or o2 <= 0:
+        if sq[x] <= 0 or o2 <= 0:
             continue
-        cos = dot / math.sqrt(gram[i][i] * o2)
+        cos = dot / math.sqrt(sq[x] * o2)
         info[keys[i]]["cos"] = round(cos, 4)
         if cos < min_cos:
             rejected[keys[i]] = f"screen: cosine {cos:.3f} with the mean of the round's other deltas (below " \
@@ -147,7 +167,7 @@ def screen_round(acc, ratio: float, min_cos: float) -> tuple[dict[int, str], dic
     keys = sorted(w for w in acc.workers if w in st.norm2)
     norms = [math.sqrt(st.norm2[w]) for w in keys]
     fresh = {w for w in keys if (acc.metas.get(w) or {}).get("fresh_moments")}
-    rejected, info = decide(keys, norms, st.gram(keys) if len(keys) >= MIN_DELTAS else [],
+    rejected, info = decide(keys, norms, st.gram(keys) if len(keys) >= MIN_DELTAS else None,
                             [acc.weights[w] for w in keys], ratio, min_cos, fresh)
     if rejected:
         acc.drop(set(rejected))

@@ -240,7 +240,7 @@ class SparseAccumulator:
     train/exchange/accumulate.py's Accumulator (the coordinator adds deltas as they arrive)."""
 
     def __init__(self, paths: RunPaths, r: int, shapes: dict[str, tuple], codec: SparseCodec, token_weighted: bool,
-                 screen: bool = False):
+                 screen: bool = False, expected: int = 1):
         from train.exchange.screen import DeltaStats
 
         self.paths, self.r, self.shapes, self.codec = paths, r, shapes, codec
@@ -252,7 +252,7 @@ class SparseAccumulator:
         self.late: dict[int, dict] = {}
         self.bytes_read = 0
         self._sums: dict[str, torch.Tensor] | None = None
-        self.stats = DeltaStats(shapes) if screen else None  # outer.screen: of the decoded deltas
+        self.stats = DeltaStats(shapes, expected) if screen else None  # outer.screen: of the decoded deltas
 
     def add(self, w: int, meta: dict, late_weight: float | None = None) -> None:
         late = late_weight is not None
