@@ -8,8 +8,9 @@ The coordinator is the real one (`python diloco.py`, a micro-llama, outer.num_wo
 (bench/throttlefs.py, one NFS client) of a backing folder on /dev/shm; the N workers are threads of ONE other process
 (`bench/scale.py --fake-workers ...`) on a second mount of the same folder. A fake worker does not train: it speaks
 the worker's protocol with the product's own code, as train/diloco/worker.py does each round: its lock and heartbeat
-lease (train/core/heartbeat.py, every second), the coordinator watch, waiting for rounds/r/COMMITTED by listings
-(DiLoCoPaths.latest_committed), the data layout (train/exchange/layout.py: its slice of the round), θ_r read through
+lease (train/core/heartbeat.py, every second), the coordinator watch, waiting for rounds/r/COMMITTED as the worker does
+(train/exchange/expect.py's wait_commit: the rounds after the last one seen, fast polling shared by the N), the data
+layout (train/exchange/layout.py: its slice of the round), θ_r read through
 GlobalTheta, then, after a random "training" time (--train-s ± --jitter), a pre-made delta of the model's size
 (common direction + its own noise, so the coordinator's screen sees healthy deltas) written by write_delta to its
 pending file, state.json, the rename into rounds/r/deltas/ and the sidecar (delta_sidecar, publish_sidecar). It skips
@@ -17,10 +18,14 @@ only the inner optimizer snapshot (the worker's own file, off the exchange's cri
 it off BASE_DIR).
 
 Per N, over the rounds after the first two (start-up):
-  tail        last sidecar published -> rounds/r+1/COMMITTED written (the sidecar's `time` to the marker's `time`,
-              one clock). The coordinator's own `tail_s` (metrics.jsonl) starts when its poll loop has *added* the
-              last delta, so it leaves out how long the coordinator took to notice it (a poll over N leases, a
-              listing of 2N files): it is printed as `coord tail_s`, the true tail as `tail`.
+  tail        last delta published -> rounds/r+1/COMMITTED written: from the moment the last fake worker's
+              publish_sidecar returned (the sidecar renamed into place and its folder fsync'd) to the marker's
+              `time` (one clock). `from sidecar time` starts earlier, at the `time` the worker put in its sidecar
+              before writing its state, renaming the delta and publishing: it adds the worker's own publication
+              (slow when 256 workers share one core) to the coordinator's tail. The coordinator's own `tail_s`
+              (metrics.jsonl) starts when its poll loop has *added* the last delta, so it leaves out how long the
+              coordinator took to notice it (a poll over N leases, a listing of 2N files): it is printed as
+              `coord tail_s`, the true tail as `tail`.
   ops         metadata calls per worker-round, counted by the FUSE layer (throttlefs --count-file): lookups and
               stats (getattr), opens, creates, renames, unlinks, mkdirs, xattr reads, and listings counted in
               READDIR pages (4 KB of entries each: a listing of 2N names costs more than one of 20), for the
@@ -34,6 +39,7 @@ Needs FUSE (/dev/fuse, libfuse2, fusepy). Writes bench/results/scale.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -98,6 +104,7 @@ def fake_workers(argv: list[str]) -> int:
     from train.core.coordinator_lease import CoordinatorWatch
     from train.core.heartbeat import Heartbeat
     from train.core.store import atomic_write_json, exclusive_lock, wait_for
+    from train.exchange.expect import Expect, wait_commit
     from train.exchange.store import DiLoCoPaths
     from train.exchange.layout import Layout
     from train.exchange.master import exchange_codecs
@@ -146,7 +153,7 @@ def fake_workers(argv: list[str]) -> int:
             gw = torch.Generator().manual_seed(100 + w)
             premade = {n: common[n] + 0.3 * torch.randn(theta.shapes[n], generator=gw) * 1e-3 for n in theta.names}
             state = {"round_done": -1, "position": 0, "step": 0}
-            latest = None
+            latest, expect = None, Expect(oc.poll_interval_s, N)
             while True:
                 r = latest = paths.latest_committed(latest)
                 if r >= oc.rounds:
@@ -173,11 +180,12 @@ def fake_workers(argv: list[str]) -> int:
                 paths.deltas_dir(r).mkdir(parents=True, exist_ok=True)
                 sharedfs.replace(pending, paths.delta_file(r, w))
                 publish_sidecar(paths, sidecar)
+                done = time.time()
                 with ev_lock:
                     events.append({"kind": "published", "round": r, "worker": w, "time": sidecar["time"],
-                                   "done": time.time()})
+                                   "done": done})
                 hb.beat(force=True, status="waiting for the outer step", round=r)
-                wait_for(lambda: monitor() or (paths.latest_committed() or 0) > r, None, oc.poll_interval_s)
+                latest = wait_commit(paths, r, latest, expect, monitor) or latest
                 note_commit(r + 1)
             hb.stop("exited")
             lock.release()
@@ -198,38 +206,67 @@ def fake_workers(argv: list[str]) -> int:
 
 
 # -- one run --------------------------------------------------------------------------------------------------------
+def cpu_sides(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """The cores of the coordinator's side (it and its mount) and of the workers' side (the fake workers and their
+    mount): half each, so that N fake workers on one machine do not take the coordinator's CPU (on a real cluster
+    each runs on its own machine: the bench measures the coordinator's cost, not this box's load). None: no pinning
+    (--no-pin, or a single core)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not pin or len(cpus) < 2:
+        return None, None
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:])
+
+
+@contextlib.contextmanager
+def on_cpus(cpus: set[int] | None):
+    """Processes started inside run on `cpus` (they inherit this thread's affinity, restored after)."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1",
                 HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
 def run_once(args, n: int, fuse: bool, tmp: Path) -> dict:
-    import contextlib
-
     work = tmp / f"n{n}-{'fuse' if fuse else 'plain'}"
     backing = work / "backing"
     backing.mkdir(parents=True)
     counts = [work / "counts-coordinator.json", work / "counts-workers.json"]
+    sides = cpu_sides(args.pin)
     with contextlib.ExitStack() as stack:
-        if fuse:
-            mc = stack.enter_context(nfs_mount(backing, work / "mc", lookup_ttl=args.lookup_ttl,
-                                               count_file=counts[0]))
-            mw = stack.enter_context(nfs_mount(backing, work / "mw", lookup_ttl=args.lookup_ttl,
-                                               count_file=counts[1]))
+        if fuse:  # each mount's process runs on its side's cores (inherited from this thread's, set around the start)
+            with on_cpus(sides[0]):
+                mc = stack.enter_context(nfs_mount(backing, work / "mc", lookup_ttl=args.lookup_ttl,
+                                                   count_file=counts[0]))
+            with on_cpus(sides[1]):
+                mw = stack.enter_context(nfs_mount(backing, work / "mw", lookup_ttl=args.lookup_ttl,
+                                                   count_file=counts[1]))
         else:
             mc = mw = backing
         log_c, log_w, wlog = work / "coordinator.out", work / "workers.out", work / "workers.json"
         t0 = time.time()
         with open(log_c, "w") as fc, open(log_w, "w") as fw:
-            coord = subprocess.Popen([sys.executable, str(REPO / "diloco.py"), "--config",
-                                      str(REPO / "evolution.json"), "--no-progress", *overrides(args, mc, n)],
-                                     stdout=fc, stderr=subprocess.STDOUT, cwd=REPO, env=env())
-            workers = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--fake-workers", str(n),
-                                        "--config", str(REPO / "evolution.json"), "--backing",
-                                        str(backing / PROJECT), "--counts", *map(str, counts), "--log", str(wlog),
-                                        "--train-s", str(args.train_s), "--jitter", str(args.jitter),
-                                        *overrides(args, mw, n)],
-                                       stdout=fw, stderr=subprocess.STDOUT, cwd=REPO, env=env())
+            with on_cpus(sides[0]):
+                coord = subprocess.Popen([sys.executable, str(REPO / "diloco.py"), "--config",
+                                          str(REPO / "evolution.json"), "--no-progress", *overrides(args, mc, n)],
+                                         stdout=fc, stderr=subprocess.STDOUT, cwd=REPO, env=env())
+            with on_cpus(sides[1]):
+                workers = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--fake-workers", str(n),
+                                            "--config", str(REPO / "evolution.json"), "--backing",
+                                            str(backing / PROJECT), "--counts", *map(str, counts), "--log", str(wlog),
+                                            "--train-s", str(args.train_s), "--jitter", str(args.jitter),
+                                            *overrides(args, mw, n)],
+                                           stdout=fw, stderr=subprocess.STDOUT, cwd=REPO, env=env())
             try:
                 rc_w = workers.wait(args.timeout)
                 rc_c = coord.wait(60)
@@ -249,19 +286,23 @@ def summarise(args, n: int, fuse: bool, wlog: dict, metrics: list[dict], wall: f
     ev = wlog["events"]
     commits = {e["round"]: e for e in ev if e["kind"] == "commit"}
     last_pub: dict[int, float] = {}
+    last_stamp: dict[int, float] = {}
     for e in ev:
         if e["kind"] == "published":
-            last_pub[e["round"]] = max(last_pub.get(e["round"], 0.0), e["time"])
+            last_pub[e["round"]] = max(last_pub.get(e["round"], 0.0), e["done"])
+            last_stamp[e["round"]] = max(last_stamp.get(e["round"], 0.0), e["time"])
     first = args.warmup  # rounds 0..warmup-1 include the start-up
     rs = [r for r in range(first, args.rounds) if r in last_pub and r + 1 in commits and commits[r + 1]["time"]]
     tails = [commits[r + 1]["time"] - last_pub[r] for r in rs]
+    stamp_tails = [commits[r + 1]["time"] - last_stamp[r] for r in rs]
     walls = [commits[r + 1]["time"] - commits[r]["time"] for r in rs if r in commits and commits[r]["time"]]
     recs = {m["round"]: m for m in metrics}
     coord_tails = [recs[r + 1]["tail_s"] for r in rs if r + 1 in recs and "tail_s" in recs[r + 1]]
     bytes_ = [recs[r + 1]["bytes_total"] for r in rs if r + 1 in recs]
     missing = sum(len(recs[r + 1].get("missing", [])) for r in rs if r + 1 in recs)
     out = {"n": n, "fuse": fuse, "rounds": len(rs), "tail_s": statistics.median(tails),
-           "tail_max_s": max(tails), "coord_tail_s": statistics.median(coord_tails) if coord_tails else None,
+           "tail_max_s": max(tails), "tail_from_stamp_s": statistics.median(stamp_tails),
+           "coord_tail_s": statistics.median(coord_tails) if coord_tails else None,
            "wall_s": statistics.median(walls) if walls else None, "bytes": statistics.median(bytes_),
            "missing": missing, "run_wall_s": round(wall, 1)}
     if fuse:
@@ -288,6 +329,8 @@ def main() -> None:
     ap.add_argument("--jitter", type=float, default=0.5, help="± uniform jitter on it, s")
     ap.add_argument("--lookup-ttl", type=float, default=10.0, help="the mounts' lookup cache (NFS lookupcache)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain-disk runs")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="do not split the cores between the coordinator's side and the fake workers' side")
     ap.add_argument("--timeout", type=float, default=300.0, help="per run, s")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, every run")
     args = ap.parse_args()
@@ -314,12 +357,13 @@ def main() -> None:
     rows = []
     for r in results:
         rows.append([r["n"], "FUSE" if r["fuse"] else "plain", f"{r['tail_s']:.3f}", f"{r['tail_max_s']:.3f}",
+                     f"{r['tail_from_stamp_s']:.3f}",
                      f"{r['coord_tail_s']:.3f}" if r["coord_tail_s"] is not None else "-",
                      f"{r['coord_ops']:.1f}" if r["fuse"] else "-", f"{r['coord_names']:.0f}" if r["fuse"] else "-",
                      f"{r['workers_ops']:.1f}" if r["fuse"] else "-", f"{r['bytes'] / 1e6:.2f}",
                      f"{r['wall_s']:.2f}", r["missing"]])
-    print(table(rows, ["N", "disk", "tail s", "tail max", "coord tail_s", "coord ops/w-r", "coord names/w-r",
-                       "worker ops/w-r", "MB/round", "wall/round s", "missing"]))
+    print(table(rows, ["N", "disk", "tail s", "tail max", "from sidecar time", "coord tail_s", "coord ops/w-r",
+                       "coord names/w-r", "worker ops/w-r", "MB/round", "wall/round s", "missing"]))
     for r in results:
         if r["fuse"]:
             print(f"N={r['n']} coordinator ops per worker-round by call: {r['coord_by_op']}")
