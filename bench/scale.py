@@ -1,7 +1,7 @@
 """Wide: N = 16, 64, 256 fake workers against the real DiLoCo coordinator, protocol only.
 
-    python bench/scale.py --quick            # N = 16, 64, 256 on the FUSE layer, 6 rounds each (<= 6 min, 2 cores)
-    python bench/scale.py                    # the same with 10 rounds, then a plain-disk run per N
+    python bench/scale.py --quick            # N = 16, 64, 256 on the FUSE layer, 12 rounds each (<= 6 min, 2 cores)
+    python bench/scale.py                    # the same with 16 rounds, then a plain-disk run per N
     python bench/scale.py --ns 16 256 --rounds 8 --lookup-ttl 10
 
 The coordinator is the real one (`python diloco.py`, a micro-llama, outer.num_workers = N) on its own FUSE mount
@@ -321,9 +321,9 @@ def main() -> None:
     if "--fake-workers" in sys.argv:
         raise SystemExit(fake_workers(sys.argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="6 rounds per N, FUSE only (<= 6 minutes on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="12 rounds per N, FUSE only (<= 6 minutes on 2 cores)")
     ap.add_argument("--ns", type=int, nargs="+", default=[16, 64, 256])
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per run (default 10; --quick 6)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per run (default 16; --quick 12)")
     ap.add_argument("--warmup", type=int, default=2, help="first rounds left out of the medians (start-up)")
     ap.add_argument("--train-s", type=float, default=1.5, help="a fake worker's 'training' time per round, s")
     ap.add_argument("--jitter", type=float, default=0.5, help="± uniform jitter on it, s")
@@ -334,7 +334,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="per run, s")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, every run")
     args = ap.parse_args()
-    args.rounds = args.rounds or (6 if args.quick else 10)
+    args.rounds = args.rounds or (12 if args.quick else 16)
     if args.rounds <= args.warmup + 1:
         ap.error(f"--rounds must be > --warmup + 1 = {args.warmup + 1}")
     if (why := fuse_skip_reason()):
