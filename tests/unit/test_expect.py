@@ -59,6 +59,7 @@ def test_wait_commit_starts_from_the_last_round_seen(tmp_path):
     paths.latest_committed = counted
     assert wait_commit(paths, 4, 4, Expect(0.01), lambda: False) == 5 and asked == [4]
     assert wait_commit(paths, 2, None, Expect(0.01), lambda: True) is None  # the watch says stop: no listing
+    assert asked == [4]
 
 
 def test_closing_polls_fast_for_the_last_few_deltas_within_a_budget():
