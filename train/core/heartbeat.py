@@ -141,7 +141,7 @@ class Heartbeat:
         with self._lock:
             self.count += 1
             rec = self.record()
-            if tick and self.count > 1:
+            if tick:  # (the lease's first record was written by start_lease, durably)
                 try:
                     atomic_write_json(self.path, rec, durable=False)
                     return

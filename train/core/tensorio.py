@@ -392,15 +392,20 @@ class PipelinedReader:
             except queue.Full:
                 continue
 
-    def _read(self, name: str, pos: int) -> tuple[torch.Tensor, int]:
+    def _span(self, name: str) -> tuple[dict, int, int]:
+        """(header entry, start, end) of tensor `name`, its bounds checked against the file."""
         info = self.header.get(name)
         if info is None:
             raise ValueError(f"{self.path}: no tensor {name!r}")
         start, end = info["data_offsets"]
-        if start != pos:
-            raise ValueError(f"{self.path}: tensor {name!r} is not next in file order")
         if end < start or self._base + end > self.size:
             raise ValueError(f"{self.path}: truncated inside tensor {name!r}")
+        return info, start, end
+
+    def _read(self, name: str, pos: int) -> tuple[torch.Tensor, int]:
+        info, start, end = self._span(name)
+        if start != pos:
+            raise ValueError(f"{self.path}: tensor {name!r} is not next in file order")
         buf = bytearray(end - start)
         view = memoryview(buf)
         for o in range(0, len(buf), self.PIECE):
@@ -428,12 +433,7 @@ class PipelinedReader:
         for key, names in self.groups:
             out = {}
             for name in names:
-                info = self.header.get(name)
-                if info is None:
-                    raise ValueError(f"{self.path}: no tensor {name!r}")
-                start, end = info["data_offsets"]
-                if end < start or self._base + end > self.size:
-                    raise ValueError(f"{self.path}: truncated inside tensor {name!r}")
+                info, start, end = self._span(name)
                 out[name] = _tensor_from(bytearray(view[self._base + start:self._base + end]), info)
             yield key, out
 

@@ -18,6 +18,7 @@ the fast window is off (its interval would not beat outer.poll_interval_s). With
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 
 FAST_S = 0.01     # the poll interval where the event is due
@@ -61,7 +62,7 @@ class Closing:
 
     def __init__(self, expected: int, poll: float):
         self.few = max(1, int(expected) // 32)
-        self.fast = FAST_S if poll > FAST_S else poll
+        self.fast = min(FAST_S, poll)
         self.left = self.BUDGET_S
 
     def due(self, missing: int) -> bool:
@@ -76,8 +77,6 @@ def wait_commit(paths, r: int, hint: int | None, expect: Expect, stop) -> int | 
     `paths.latest_committed(hint)` (the rounds after `hint`, a round known committed: a listing or two, not one per
     round folder) polled at `expect`'s intervals until it is past r or `stop()` (the coordinator's watch) is
     truthy. Returns the latest committed round seen (the next hint)."""
-    import time
-
     t0, latest = time.monotonic(), None
     while not stop():
         latest = paths.latest_committed(hint)
