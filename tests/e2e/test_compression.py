@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.helpers import REPO, tiny_config
-from tests.helpers.proc import kill_and_await_restart, kill_sim_at_random_moments, run_script, script_cmd, wait_until
+from tests.helpers.proc import (in_round_with_state, kill_and_await_restart, kill_sim_at_random_moments, run_script,
+                                script_cmd, wait_until)
 from train.config import build_config
 from train.core.store import atomic_write_json, read_json, read_jsonl, verify_manifest
 from train.exchange.store import DiLoCoPaths
@@ -42,15 +43,9 @@ def _kill_worker_in_round(sim: subprocess.Popen, paths: DiLoCoPaths, w: int, r: 
     """SIGKILL worker w once it is in round r (training or waiting for a fold: its heartbeat lease is written once a
     second and a short segment takes about that long, so a "training" snapshot may never be seen), with the
     coordinator held until the restarted worker has resumed (kill_and_await_restart: the surviving worker cannot
-    finish the run first); the simulator's output once it ends."""
-    def in_round(w):
-        try:
-            p = read_json(paths.progress(w))
-        except (OSError, ValueError):
-            return False
-        return p.get("round", -1) >= r and p.get("status") != "done"
+    finish the run first), once its state records round r - 1 (in_round_with_state); the simulator's output."""
     try:
-        wait_until(lambda: in_round(w), 300, f"worker {w} in round {r}", sim)
+        wait_until(lambda: in_round_with_state(paths, w, r), 300, f"worker {w} in round {r}", sim)
         kill_and_await_restart(paths, w, lambda: os.kill(read_json(paths.progress(w))["pid"], signal.SIGKILL), sim)
         out, _ = sim.communicate(timeout=400)
     finally:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.helpers import REPO, tiny_config
-from tests.helpers.proc import kill_and_await_restart, kill_sim_at_random_moments, run_script, script_cmd, wait_until
+from tests.helpers.proc import (in_round_with_state, kill_and_await_restart, kill_sim_at_random_moments, run_script,
+                                script_cmd, wait_until)
 from train.core.store import read_json, read_jsonl
 from train.core.tensorio import load_tensors
 from train.exchange.store import DiLoCoPaths
@@ -38,14 +39,6 @@ def _same_model(a: DiLoCoPaths, b: DiLoCoPaths) -> bool:
     return set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
 
 
-def _in_round(paths: DiLoCoPaths, w: int, r: int) -> bool:
-    try:
-        p = read_json(paths.progress(w))
-    except (OSError, ValueError):
-        return False
-    return p.get("round", -1) >= r and p.get("status") != "done"
-
-
 def test_four_fragments_with_a_killed_worker_resume_bit_identically(tmp_path):
     """P = 4, τ = 1, α = 0.5: each round commits one fragment (its own update file and metrics row, with `fragment`
     and `bytes_deltas`, a quarter of the model's bytes); worker 1 is SIGKILLed in round 3 and restarted by the
@@ -66,7 +59,7 @@ def test_four_fragments_with_a_killed_worker_resume_bit_identically(tmp_path):
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", str(cfg)), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
-        wait_until(lambda: _in_round(paths, 1, 3), 300, "worker 1 in round 3", sim)
+        wait_until(lambda: in_round_with_state(paths, 1, 3), 300, "worker 1 in round 3", sim)
         kill_and_await_restart(paths, 1, lambda: os.kill(read_json(paths.progress(1))["pid"], signal.SIGKILL), sim)
         out, _ = sim.communicate(timeout=300)
     finally:

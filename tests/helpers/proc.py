@@ -150,6 +150,20 @@ def coordinator_pid(paths) -> int:
     return int(read_json(coordinator_lease_path(paths.root))["pid"])
 
 
+def in_round_with_state(paths, w: int, r: int) -> bool:
+    """Worker w is working on round r or later (its lease; not done or gone) and its state.json records round r - 1
+    done, so a kill now resumes ("resumed worker state"). With overlap a worker trains round r while its snapshot of
+    r - 1 is still written in the background: a kill before state.json exists restarts it from nothing (a loaded CI
+    box did exactly that)."""
+    from train.core.store import read_json
+    try:
+        p = read_json(paths.progress(w))
+        done = read_json(paths.worker_state(w))["round_done"] if paths.worker_state(w).is_file() else -1
+    except (OSError, ValueError, KeyError):
+        return False
+    return p.get("round", -1) >= r and p.get("status") not in ("done", "exited", "left") and done >= r - 1
+
+
 def kill_and_await_restart(paths, w: int, kill, sim: subprocess.Popen, timeout: float = 120):
     """kill() (it SIGKILLs worker w, or its supervisor) while the coordinator is held (SIGSTOP), and hold it until
     the restarted worker w is up again (its log's start line, written after it loaded its state); returns what kill()
