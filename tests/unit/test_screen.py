@@ -147,7 +147,26 @@ def test_wide_rounds_sample_less_so_the_gram_matrix_stays_bounded():
     st = DeltaStats(shapes, deltas=256)
     assert st.stride == stride_for(10 ** 6, MIN_SAMPLE) and 10 ** 6 // st.stride <= MIN_SAMPLE
     st.observe(0, "w", torch.ones(1000, 1000))
-    assert sum(t.numel() for t in st.samples[0]) <= MIN_SAMPLE + 1 and st.norm2[0] == 10 ** 6
+    assert st.sample(0).numel() <= MIN_SAMPLE + 1 and st.norm2[0] == 10 ** 6
+
+
+def test_the_gram_grown_on_arrival_is_the_gram_of_the_samples():
+    """seal() on arrival (any order, past the awaited count, a forgotten delta between) gives the same matrix as
+    the samples' S Sᵀ, for any subset and order of keys; an unsealed key is sealed by gram()."""
+    shapes = {"a": (37, 11), "b": (300,)}
+    g = torch.Generator().manual_seed(0)
+    st = DeltaStats(shapes, deltas=3)
+    for k in (5, 2, 9, 7, 1):
+        st.observe(k, "a", torch.randn(37, 11, generator=g))
+        st.observe(k, "b", torch.randn(300, generator=g))
+        if k != 1:
+            st.seal(k)
+    st.forget(9)
+    keys = [1, 2, 5, 7]
+    S = torch.stack([st.sample(k) for k in keys])
+    assert torch.allclose(st.gram(keys), S @ S.T, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(st.gram([7, 2]), (S @ S.T)[[3, 1]][:, [3, 1]], rtol=1e-12, atol=1e-12)
+    assert 9 not in st.norm2 and st.samples == {}
 
 
 def test_stride_is_prime_and_one_for_small_models():

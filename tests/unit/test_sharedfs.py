@@ -8,6 +8,7 @@ import os
 import pytest
 
 from train.core import sharedfs
+from train.core.sharedfs import read_bytes
 from train.core.errors import UserError
 from train.core.store import append_jsonl, atomic_write_json, read_json, read_jsonl
 
@@ -153,8 +154,7 @@ def test_pread_array_reads_slices_like_a_memmap(tmp_path):
 
 def test_json_read_is_retried(tmp_path, monkeypatch):
     (tmp_path / "x.json").write_text(json.dumps({"k": 1}))
-    import builtins
-    real_open = builtins.open
+    real_open = os.open
     state = {"n": 0}
 
     def open_fails_once(*a, **k):
@@ -163,8 +163,18 @@ def test_json_read_is_retried(tmp_path, monkeypatch):
             if state["n"] == 1:
                 raise OSError(errno.ESTALE, "Stale file handle")
         return real_open(*a, **k)
-    monkeypatch.setattr(builtins, "open", open_fails_once)
+    monkeypatch.setattr(os, "open", open_fails_once)
     assert read_json(tmp_path / "x.json") == {"k": 1} and state["n"] == 2
+
+
+def test_read_bytes_gives_the_whole_file_of_any_size(tmp_path):
+    """One stat and reads up to its size (no probe past the end): every byte of files of 0, 1, small and several
+    MB; a file without a size (/proc) is read to its end."""
+    for n in (0, 1, 536, (3 << 20) + 7):
+        data = os.urandom(n)
+        (tmp_path / "f").write_bytes(data)
+        assert read_bytes(tmp_path / "f") == data
+    assert read_bytes("/proc/self/status").startswith(b"Name:")
 
 
 def test_a_process_the_shared_disk_failed_is_restarted_by_its_supervisor(tmp_path):

@@ -294,10 +294,32 @@ def stat(path: str | os.PathLike) -> os.stat_result:
 
 
 def read_bytes(path: str | os.PathLike) -> bytes:
-    """The whole file (read again from the start after a transient error)."""
+    """The whole file (read again from the start after a transient error), in as few requests to the file server
+    as a read can take: open, one stat, the bytes it gave, close. Python's own `open(path, "rb").read()` adds a
+    tty check (an ioctl), a second stat and a read past the end (a stat again: a client without attributes cached
+    asks the server when a read goes past the size it knows): 9 calls of a FUSE mount per small JSON file instead
+    of 5 (bench/scale.py reads N sidecars and N leases a round). Files here are replaced whole, never rewritten in
+    place, so the size at the open is the file's; an append-only file is read up to the size it had then. A file
+    without a size (st_size 0: /proc, a pipe) is read to its end."""
     def once() -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                chunks = []
+                while chunk := os.read(fd, 1 << 20):
+                    chunks.append(chunk)
+                return b"".join(chunks)
+            buf = bytearray(size)
+            view, got = memoryview(buf), 0
+            while got < size:
+                n = os.preadv(fd, [view[got:]], got)
+                if n == 0:
+                    break  # shorter than its stat said (replaced between the two? not by this code): what it has
+                got += n
+            return bytes(buf) if got == size else bytes(buf[:got])
+        finally:
+            os.close(fd)
     return retry("read", path, once)
 
 

@@ -457,7 +457,9 @@ class Coordinator:
                                                         "sparse_step") if k in fields}})
         record["commit_s"] = round(time.perf_counter() - t3, 3)
         self.log_record(record)
-        self.timeline.round_closed(r)  # before the pruning: the sidecars hold the workers' timings
+        # before the pruning: the sidecars hold the workers' timings (those read for this round are passed on)
+        self.timeline.round_closed(r, {**{(r, w): m for w, m in acc.metas.items()},
+                                       **{(r - 1, w): m for w, m in acc.late.items()}})
         self.cleanup(r + 1)
         return record
 
@@ -467,7 +469,7 @@ class Coordinator:
         round's deltas meanwhile, and joins the job before it builds the next record (tokens are cumulative)."""
         cfg, k = self.cfg, record["round"]
         due = k == 0 or k % cfg.eval.every == 0 or k == cfg.outer.rounds
-        self.evals.join()
+        self.evals.join()  # round r's record is logged (this record's tokens add to it)
         if due:  # a copy of θ_k in the evaluation model, before the next outer step changes θ
             self.master.theta.load_into(self.model)
 

@@ -164,6 +164,8 @@ class Accumulator:
             self.late[w] = meta
             self.late_weights[w] = late_weight
             return
+        if key is not None:
+            self.stats.seal(w)  # its Gram row now, while the round collects (screen.py)
         self.workers.append(w)
         self.metas[w] = meta
         self.weights[w] = a

@@ -51,7 +51,7 @@ def arrived(paths: DiLoCoPaths, r: int, num_workers: int, listed: set[str] | Non
     if listed is not None:
         listed.clear()
         listed.update(present)
-    return [w for w in range(num_workers) if paths.delta_meta(r, w).name in present]
+    return [w for w in range(num_workers) if paths.delta_meta_name(w) in present]  # (no N Paths a poll)
 
 
 def reduce_round(paths: DiLoCoPaths, r: int, workers: list[int], metas: dict[int, dict], weights: list[float],

@@ -18,7 +18,9 @@ of the model's flat parameter vector, `stride` a prime so it does not line up wi
 models of up to SAMPLE values), at most SAMPLE float64 values (8 MB) per delta. The cosines come from the small Gram
 matrix of these samples: exact up to SAMPLE parameters, an unbiased estimate above (its error, about 1/sqrt(SAMPLE)
 = 0.001 for dense deltas, is far below any threshold that matters). Nothing is read twice; the cost on the tail is
-one N x N Gram matrix of N samples and, only when something is rejected, the sum rebuilt from the accepted files.
+an N x N matrix taken from the Gram matrix that grew as the deltas came (`seal`: each accepted delta's dot
+products with those before it, computed on arrival), and, only when something is rejected, the sum rebuilt from the
+accepted files.
 
 That Gram matrix costs N² x (sample size) multiplications, and the samples N x (sample size) x 8 bytes: at N = 256
 with full 1M-value samples, 0.3 s of the coordinator's tail for the micro model already (bench/scale.py) and 2 GB
@@ -81,7 +83,12 @@ class DeltaStats:
             self.start[n] = pos
             pos += math.prod(shapes[n])
         self.norm2: dict = {}
-        self.samples: dict = {}
+        self.samples: dict = {}      # key -> the pieces of its sample, until seal()
+        self._slot: dict = {}        # key -> its row in _S and _G (sealed)
+        self._S: torch.Tensor | None = None  # the sealed samples, one row each
+        self._G: torch.Tensor | None = None  # their dot products (the Gram matrix, grown as deltas are sealed)
+        self._cap = max(4, int(deltas))
+        self._rows = 0               # rows of _S / _G used
 
     def observe(self, key, name: str, d: torch.Tensor) -> None:
         """Delta `key`'s decoded tensor `name` (any float dtype; read, not kept)."""
@@ -95,16 +102,52 @@ class DeltaStats:
         phase = (-(self.start[name] + offset)) % self.stride
         self.samples.setdefault(key, []).append(flat[phase::self.stride].clone())
 
+    def seal(self, key) -> None:
+        """Delta `key` is whole (every tensor observed; the accumulator accepted it): its sample becomes a row of
+        the Gram matrix now, while the round is still collecting (its dot products with the deltas sealed before
+        it, N x sample multiplications), so the screen at the round's close multiplies nothing: the whole N x N
+        Gram there was 13-24 ms of the coordinator's tail at N = 256 (bench/scale.py). Does nothing for a key
+        sealed already or never observed."""
+        if key in self._slot or key not in self.samples:
+            return
+        v = torch.cat(self.samples.pop(key))
+        slot = self._rows  # rows are never reused: forget() only hides one (a round rejects few)
+        if self._S is None:
+            self._S = torch.empty(self._cap, v.numel(), dtype=torch.float64)
+            self._G = torch.zeros(self._cap, self._cap, dtype=torch.float64)
+        elif v.numel() != self._S.shape[1]:
+            raise ValueError(f"delta {key!r}: a sample of {v.numel()} values, the others have {self._S.shape[1]}")
+        if slot == self._S.shape[0]:  # more than the round awaited (a late joiner): twice the room
+            cap = 2 * slot
+            S = torch.empty(cap, v.numel(), dtype=torch.float64)
+            S[:slot] = self._S
+            G = torch.zeros(cap, cap, dtype=torch.float64)
+            G[:slot, :slot] = self._G
+            self._S, self._G = S, G
+        self._S[slot] = v
+        row = self._S[:slot + 1] @ v
+        self._G[slot, :slot + 1] = row
+        self._G[:slot + 1, slot] = row
+        self._slot[key] = slot
+        self._rows += 1
+
+    def sample(self, key) -> torch.Tensor:
+        """Delta `key`'s sampled values (float64), sealed or not."""
+        return self._S[self._slot[key]] if key in self._slot else torch.cat(self.samples[key])
+
     def forget(self, key) -> None:
         self.norm2.pop(key, None)
         self.samples.pop(key, None)
+        self._slot.pop(key, None)
 
     def gram(self, keys: list) -> torch.Tensor:
-        """The float64 Gram matrix of the keys' samples, in their order."""
+        """The float64 Gram matrix of the keys' samples, in their order (keys not sealed yet are sealed first)."""
         if not keys:
             return torch.zeros(0, 0, dtype=torch.float64)
-        S = torch.stack([torch.cat(self.samples[k]) for k in keys])
-        return S @ S.T
+        for k in keys:
+            self.seal(k)
+        idx = torch.tensor([self._slot[k] for k in keys], dtype=torch.long)
+        return self._G[idx][:, idx]
 
 
 def decide(keys: list, norms: list[float], gram, weights: list[float], ratio: float,

@@ -261,6 +261,7 @@ class SparseAccumulator:
         if self.stats is not None and not late:
             for n, shape in self.shapes.items():
                 self.stats.observe(w, n, self.codec.decode(n, stored, shape))
+            self.stats.seal(w)  # its Gram row now, while the round collects (screen.py)
         self.stored[(int(late), w)] = (a, stored)
         self._sums = None
         if late:

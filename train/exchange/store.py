@@ -51,7 +51,12 @@ class DiLoCoPaths(RunPaths):
         return self.deltas_dir(r) / f"w{w:03d}.safetensors"
 
     def delta_meta(self, r: int, w: int) -> Path:
-        return self.deltas_dir(r) / f"w{w:03d}.json"
+        return self.deltas_dir(r) / self.delta_meta_name(w)
+
+    @staticmethod
+    def delta_meta_name(w: int) -> str:
+        """The sidecar's name in its deltas folder (a string: a poll matches N names to a listing)."""
+        return f"w{w:03d}.json"
 
     def worker_opt(self, w: int, r: int) -> Path:
         return self.worker_dir(w) / f"opt-r{r:06d}.safetensors"

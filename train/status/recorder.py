@@ -46,7 +46,11 @@ class TimelineRecorder:
         return self._seen
 
     # -- DiLoCo: round r closed (θ_{r+1} committed); call before rounds are pruned ------------------------------------
-    def round_closed(self, r: int) -> None:
+    def round_closed(self, r: int, known: dict[tuple[int, int], dict] | None = None) -> None:
+        """`known`: sidecars the caller has read already, by (round, worker) (the coordinator's accepted and late
+        deltas): not read again (at 256 workers, 256 opens a round less); the others in the two deltas folders
+        (rejected, or published after the round closed) are read here."""
+        known = known or {}
         try:
             paths, seen = DiLoCoPaths(self.root), self._journal_keys()
             deltas = []
@@ -57,7 +61,7 @@ class TimelineRecorder:
                         continue
                     if (q, int(name[1:-5])) in seen:
                         continue
-                    meta = read_json(d / name)
+                    meta = known.get((q, int(name[1:-5]))) or read_json(d / name)
                     deltas.append({k: meta[k] for k in DELTA_FIELDS if k in meta})
             if deltas:
                 append_jsonl(self.root / JOURNAL, {"round": r, "closed": time.time(), "deltas": deltas})
