@@ -254,3 +254,32 @@ def test_pipelined_reader_inline_and_threaded_give_the_same_groups_and_checksum(
         list(rd)
     rd.close()
     assert _open_fds_under(tmp_path) == []
+
+
+def test_pipelined_reader_flat_gives_every_value_in_order_or_none(tmp_path, monkeypatch):
+    """flat(names): a small file whose tensors are exactly `names`, back to back in that order and of one dtype, as
+    one tensor (the same checksum; iterating after it gives nothing); None for another order, a missing or extra
+    tensor, mixed dtypes, or a file read on the background thread."""
+    from train.core.tensorio import PipelinedReader
+
+    t = {"a": torch.randn(3, 4), "b": torch.randn(5), "c": torch.randn(2, 2)}
+    path = tmp_path / "d.safetensors"
+    sha = save_streaming(path, t)
+    rd = PipelinedReader(path, [(n, [n]) for n in t])
+    flat = rd.flat(list(t))
+    assert torch.equal(flat, torch.cat([v.reshape(-1) for v in t.values()])) and list(rd) == []
+    assert rd.finish() == sha
+    for names in (["b", "a", "c"], ["a", "b"], ["a", "b", "c", "d"]):
+        rd = PipelinedReader(path, [("x", list(t))])
+        assert rd.flat(names) is None
+        rd.close()
+    save_streaming(path, {**t, "b": t["b"].to(torch.bfloat16)})
+    rd = PipelinedReader(path, [("x", list(t))])
+    assert rd.flat(list(t)) is None
+    rd.close()
+    monkeypatch.setattr(PipelinedReader, "INLINE", 0)
+    save_streaming(path, t)
+    rd = PipelinedReader(path, [("x", list(t))])
+    assert rd.flat(list(t)) is None
+    rd.close()
+    assert _open_fds_under(tmp_path) == []

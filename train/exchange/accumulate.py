@@ -31,7 +31,7 @@ from train.core import digest, sharedfs
 from train.core.phases import NO_PHASES
 from train.core.threads import beside_io, intra_op_threads
 from train.core.tensorio import PipelinedReader, read_header
-from train.exchange.codec import Codec, CodecError
+from train.exchange.codec import Codec, CodecError, all_finite
 from train.exchange.protocol import CHECKSUM_DIFFERS, RejectedDelta
 from train.exchange.screen import DeltaStats
 from train.exchange.store import DiLoCoPaths
@@ -139,8 +139,14 @@ class Accumulator:
                 if rd.size != meta["bytes"]:
                     raise ValueError(f"file has {rd.size} bytes, sidecar says {meta['bytes']} (truncated?)")
                 self.codec.check_header(rd.header, self.shapes, rd.metadata)
+            flat = None if self.codec.quantised else rd.flat(list(self.shapes))
+            if flat is not None:  # a small file of one dtype in the model's order: all of it as one tensor
+                with ph("checks"):
+                    self._check_flat(flat)
+                touched = True
+                self._add_flat(flat, a, key)
             with intra_op_threads(beside_io(1)):  # the reader thread keeps a core (train/core/threads.py)
-                for n, stored in rd:
+                for n, stored in rd:  # (nothing left after flat())
                     with ph("checks"):
                         self.codec.check_values(n, stored, self.shapes[n])
                     touched = True
@@ -169,6 +175,36 @@ class Accumulator:
         self.workers.append(w)
         self.metas[w] = meta
         self.weights[w] = a
+
+    def _check_flat(self, flat: torch.Tensor) -> None:
+        """codec.check_values over the whole file at once; the tensor that fails is named as check_values would."""
+        if all_finite(flat):
+            return
+        pos = 0
+        for n, shape in self.shapes.items():
+            k = math.prod(shape)
+            self.codec.check_values(n, {n: flat[pos:pos + k]}, shape)
+            pos += k
+
+    def _add_flat(self, flat: torch.Tensor, a: float, key) -> None:
+        """Every tensor of a delta from one flat tensor (PipelinedReader.flat): the same sums bit for bit as
+        _add_tensor's (each value added once, elementwise), the screen's norm and sample of the same values."""
+        ph = self.phases
+        with ph("accumulate"):
+            d = flat.to(torch.float64)
+        if key is not None:
+            with ph("screen"):
+                self.stats.observe_chunk(key, next(iter(self.shapes)), 0, d)
+        with ph("accumulate"):
+            pos = 0
+            for n, shape in self.shapes.items():
+                k = math.prod(shape)
+                s = self.sum.get(n)
+                if s is None:
+                    self.sum[n] = torch.mul(d[pos:pos + k], a)
+                else:
+                    s.add_(d[pos:pos + k], alpha=a)
+                pos += k
 
     def _add_tensor(self, n: str, stored: dict[str, torch.Tensor], a: float, key) -> None:
         """sum[n] += a · decode(stored), in pieces of CHUNK values (the screen's statistics on the way)."""
