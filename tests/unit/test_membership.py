@@ -302,6 +302,35 @@ def test_a_delta_left_by_a_killed_process_does_not_prove_its_restarted_successor
     assert list(m.poll({0}).late) == [1]
 
 
+def test_a_poll_reads_no_lease_of_an_arrived_worker_whose_sidecar_names_its_known_lease(paths, monkeypatch):
+    """Once a worker's delta is in and its sidecar names the live lease the coordinator knows, its lease file is
+    not read again this round (a wide round's last polls read the missing few, not N); a sidecar naming another
+    lease (a restarted process) is read once, as before."""
+    clock, beats, m = two_running_workers(paths)
+    reads: list[int] = []
+    real = Membership._read
+
+    def counted(self, w, listed=None):
+        if listed is None:  # (not the joiners' ids, read from one listing)
+            reads.append(w)
+        return real(self, w, listed)
+    monkeypatch.setattr(Membership, "_read", counted)
+    m.poll(set())
+    for b in beats:  # a beat since the coordinator started: their leases are live ("current")
+        b.beat(force=True, status="training")
+    m.poll(set())
+    assert sorted(reads) == [0, 0, 1, 1]
+    reads.clear()
+    m.poll({0}, {0: beats[0].lease_id})
+    assert reads == [1]
+    reads.clear()
+    m.poll({0, 1}, {0: beats[0].lease_id, 1: "another-process"})
+    assert reads == [1]
+    reads.clear()
+    m.poll({0, 1}, {0: beats[0].lease_id, 1: "another-process"})
+    assert reads == []
+
+
 def test_round_timeout_is_the_cap_and_min_workers_the_floor(paths):
     clock = Clock()
     beats = [hb(paths, w) for w in range(3)]
