@@ -93,12 +93,26 @@ def test_selection_on_ties_is_deterministic_and_prefers_the_lower_offset(base):
 
 
 @settings(max_examples=60, deadline=None)
-@given(vals=st.lists(st.integers(0, 4095), min_size=1, max_size=200), bits=st.sampled_from([2, 7, 12, 13]))
+@given(vals=st.lists(st.integers(0, 4095), min_size=1, max_size=200),
+       bits=st.sampled_from([1, 2, 4, 7, 8, 12, 13]))
 def test_bit_packing_round_trips_in_ceil_bits(vals, bits):
     v = np.array([x % (1 << bits) for x in vals], dtype=np.uint32)
     packed = pack_bits(v, bits)
     assert packed.dtype == np.uint8 and packed.size == -(-v.size * bits // 8)
     assert np.array_equal(unpack_bits(packed, bits, v.size), v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(raw=st.binary(min_size=0, max_size=300), bits=st.sampled_from([1, 2, 4, 8, 12]), data=st.data())
+def test_the_byte_arithmetic_widths_read_any_bytes_as_the_bit_planes_do(raw, bits, data):
+    """unpack_bits' fast widths against the general bit-plane reading, on arbitrary bytes (the trailing bits of
+    the last byte included) and any count that fits."""
+    n = data.draw(st.integers(0, len(raw) * 8 // bits))
+    b = np.frombuffer(raw, dtype=np.uint8)
+    planes = np.unpackbits(b, count=n * bits, bitorder="little")
+    want = (planes.reshape(n, bits).astype(np.uint32) << np.arange(bits, dtype=np.uint32)).sum(axis=1,
+                                                                                               dtype=np.uint32)
+    assert np.array_equal(unpack_bits(b, bits, n), want)
 
 
 def test_offsets_take_12_bits_at_chunk_4096_and_a_round_is_under_2_percent_of_fp32():
@@ -160,3 +174,30 @@ def test_sparse_step_leaves_unsent_values_bit_identical():
     mean = torch.tensor([0.0, 0.0, 0.5, 0.0])
     out = sparse_step(theta, mean, 0.7)
     assert out[0] == 1.0 and out[3] == 1e-30 and out[2] == torch.tensor(3.0) + torch.tensor(0.5) * -0.7
+
+
+@pytest.mark.parametrize("weights", [(1, 1, 1), (1000, 7, 123456), (1000, 38.5, 77)])
+def test_the_sparse_mean_adds_only_what_was_sent_and_gives_the_dense_sum_bit_for_bit(tmp_path, weights):
+    """SparseAccumulator.mean adds each delta's K sent values (put_, accumulating) where its weight is a whole
+    number, the dense decoded tensor otherwise (a fractional weight: a late delta): the same float32 mean, bit for
+    bit, as the dense sum in the same fixed order, on values whose sums round (a wide spread of magnitudes,
+    overlapping positions, cancellations)."""
+    import math
+
+    from train.exchange.sparse import SparseAccumulator
+
+    c = SparseCodec(density=0.25, chunk=64, values="int8")
+    shape = (37, 29)
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(3)
+    acc = SparseAccumulator.__new__(SparseAccumulator)
+    acc.shapes, acc.codec, acc.stored = {"t": shape}, c, {}
+    dense = torch.zeros(n, dtype=torch.float64)
+    for w, a in enumerate(weights):
+        x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+        stored = c.encode("t", x.reshape(shape))
+        acc.stored[(0, w)] = (float(a), stored)
+        dense.add_(c.decode("t", stored, shape).reshape(-1).to(torch.float64), alpha=float(a))
+    want = (dense / float(sum(weights))).to(torch.float32).reshape(shape)
+    got = acc.mean("t")
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -28,6 +28,7 @@ plays its part (SparseLoCo). bench/compression.py measures why this beats a coor
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping
@@ -51,9 +52,40 @@ def pack_bits(x: np.ndarray, bits: int) -> np.ndarray:
 
 
 def unpack_bits(b: np.ndarray, bits: int, n: int) -> np.ndarray:
-    planes = np.unpackbits(np.ascontiguousarray(b, dtype=np.uint8), count=n * bits, bitorder="little")
+    """pack_bits' inverse: the first n values (uint32). The widths the codec uses most are read with byte
+    arithmetic (2 and 4 bits: values within a byte; 8; 12: two values in three bytes, chunk_size 4096's offsets):
+    the same values as the general way, bit planes, which makes bits x n uint32s (the sparse sums at the commit
+    unpack N deltas' offsets: bench/outer_step.py)."""
+    b = np.ascontiguousarray(b, dtype=np.uint8)
+    if bits in (1, 2, 4) and len(b) * 8 >= n * bits:
+        per = 8 // bits
+        m = -(-n // per)
+        v = (b[:m, None] >> np.arange(0, 8, bits, dtype=np.uint8)) & np.uint8((1 << bits) - 1)
+        return v.reshape(-1)[:n].astype(np.uint32)
+    if bits == 8 and len(b) >= n:
+        return b[:n].astype(np.uint32)
+    if bits == 12 and len(b) * 8 >= n * 12:
+        m = -(-n // 2)
+        t = np.zeros(3 * m, dtype=np.uint8)
+        t[:min(len(b), 3 * m)] = b[:3 * m]
+        t = t.reshape(m, 3).astype(np.uint32)
+        out = np.empty((m, 2), dtype=np.uint32)
+        out[:, 0] = t[:, 0] | ((t[:, 1] & 15) << 8)
+        out[:, 1] = (t[:, 1] >> 4) | (t[:, 2] << 4)
+        return out.reshape(-1)[:n]
+    planes = np.unpackbits(b, count=n * bits, bitorder="little")
     return (planes.reshape(n, bits).astype(np.uint32) << np.arange(bits, dtype=np.uint32)).sum(axis=1,
                                                                                                dtype=np.uint32)
+
+
+@functools.lru_cache(maxsize=32)
+def _chunk_starts(chunk: int, full: int, k: int, rem: int, kr: int) -> np.ndarray:
+    """The start of the chunk of each of the K selected values of a tensor (the same for every delta of a tensor of
+    that size: kept for the next one; read-only)."""
+    out = np.concatenate([np.repeat(np.arange(full, dtype=np.int64) * chunk, k),
+                          np.full(kr, full * chunk, dtype=np.int64)])
+    out.flags.writeable = False
+    return out
 
 
 @dataclass(frozen=True)
@@ -157,27 +189,31 @@ class SparseCodec:
         """(absolute positions of the K selected values, their levels as float32 integers)."""
         K, _ = self.count(n)
         off = unpack_bits(stored[name + IDX].numpy(), self.ibits, K).astype(np.int64)
-        full, k, rem, kr = self.layout(n)
-        base = np.concatenate([np.repeat(np.arange(full, dtype=np.int64) * self.chunk, k),
-                               np.full(kr, full * self.chunk, dtype=np.int64)])
         if self.vbits == 8:
             lev = stored[name + VAL].to(torch.float32)
-        else:
-            c = torch.from_numpy(unpack_bits(stored[name + VAL].numpy(), self.vbits, K).astype(np.int64))
-            lev = (2 * c - 3 if self.vbits == 2 else c - 8).to(torch.float32)
-        return base + off, lev
+        else:  # small integers: exact in float32 whichever way they are computed
+            c = unpack_bits(stored[name + VAL].numpy(), self.vbits, K).astype(np.float32)
+            lev = torch.from_numpy(2 * c - 3 if self.vbits == 2 else c - 8)
+        return _chunk_starts(self.chunk, *self.layout(n)) + off, lev
 
-    def chunk_of_values(self, n: int) -> torch.Tensor:
+    @torch.no_grad()
+    def selected(self, name: str, stored: Mapping[str, torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions in the flat tensor of n values, their decoded float32 values): the K values a delta sends.
+        Each value is its level times its chunk's scale (the scales repeated k times each, not gathered by a K-long
+        index: the same products)."""
+        pos, lev = self._unpack(name, stored, n)
         full, k, rem, kr = self.layout(n)
-        return torch.cat([torch.arange(full).repeat_interleave(k), torch.full((kr,), full, dtype=torch.int64)])
+        s = stored[name + SCALE].to(torch.float32)
+        per_value = torch.cat([s[:full].repeat_interleave(k), s[full:].repeat_interleave(kr)]) if kr else \
+            s[:full].repeat_interleave(k)
+        return torch.from_numpy(pos), lev * per_value
 
     @torch.no_grad()
     def decode(self, name: str, stored: Mapping[str, torch.Tensor], shape: tuple) -> torch.Tensor:
         n = math.prod(shape)
-        pos, lev = self._unpack(name, stored, n)
-        s = stored[name + SCALE].to(torch.float32)[self.chunk_of_values(n)]
+        pos, vals = self.selected(name, stored, n)
         out = torch.zeros(n, dtype=torch.float32)
-        out[torch.from_numpy(pos)] = lev * s
+        out[pos] = vals
         return out.reshape(shape)
 
     # -- checking a file written by someone else -----------------------------------------------------------------------
@@ -288,12 +324,26 @@ class SparseAccumulator:
         return sum(a for a, _ in self.stored.values())
 
     def mean(self, name: str) -> torch.Tensor:
-        """The weighted mean delta of one tensor (float32), summed in float64 in the fixed order."""
-        acc = torch.zeros(math.prod(self.shapes[name]), dtype=torch.float64)
+        """The weighted mean delta of one tensor (float32), summed in float64 in the fixed order.
+
+        Each delta adds only the K values it sends (put_ with accumulate), not its decoded dense tensor: O(K) per
+        delta, so the sum at the commit no longer costs N dense passes of the model (bench/outer_step.py, topk:
+        the tail grew 2.65x from 2 to 8 workers, now 1.5x). The same bits as adding the dense tensor: where a
+        delta sends nothing it adds a · (+0.0) = +0.0, and x + 0.0 = x for every x the sum can hold (it starts at
+        +0.0, and a sum of finite values is −0.0 only from −0.0 + −0.0, which never happens from +0.0); where it
+        sends v, both add the product a · v, exact in float64 for a whole weight a < 2^29 (v has 24 significant
+        bits), so one rounding of x + a · v either way. A fractional weight (outer.late_weight) makes a · v round,
+        and a fused multiply-add would round it differently: such a delta adds its dense tensor as before."""
+        n = math.prod(self.shapes[name])
+        acc = torch.zeros(n, dtype=torch.float64)
         total = 0.0
         for key in sorted(self.stored):
             a, stored = self.stored[key]
-            acc.add_(self.codec.decode(name, stored, self.shapes[name]).reshape(-1).to(torch.float64), alpha=a)
+            if a == int(a) and 0 < a < 2 ** 29:
+                pos, vals = self.codec.selected(name, stored, n)
+                acc.put_(pos, vals.to(torch.float64).mul_(a), accumulate=True)  # (positions unique: one add each)
+            else:
+                acc.add_(self.codec.decode(name, stored, self.shapes[name]).reshape(-1).to(torch.float64), alpha=a)
             total += a
         return (acc / total).to(torch.float32).reshape(self.shapes[name])
 
