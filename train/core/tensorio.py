@@ -420,8 +420,8 @@ class PipelinedReader:
                 self._hash.update(piece)
         return _tensor_from(buf, info), end
 
-    def _items_whole(self):
-        """A small file: every byte in one read and one hash update, then the groups from memory."""
+    def _read_whole(self) -> bytearray:
+        """Every byte of the file in one read and one hash update."""
         data = bytearray(self.size)
         with self.phases("read"):
             got = sharedfs.preadinto(self._fd, data, 0, self.path)
@@ -430,6 +430,11 @@ class PipelinedReader:
         self.nbytes += got
         with self.phases("checksum"):
             self._hash.update(data)
+        return data
+
+    def _items_whole(self):
+        """A small file: every byte in one read and one hash update, then the groups from memory."""
+        data = self._read_whole()
         view = memoryview(data)
         for key, names in self.groups:
             out = {}
@@ -455,14 +460,7 @@ class PipelinedReader:
             pos = end
         if len(dtypes) != 1 or self._base + pos != self.size:
             return None
-        data = bytearray(self.size)
-        with self.phases("read"):
-            got = sharedfs.preadinto(self._fd, data, 0, self.path)
-        if got != self.size:
-            raise ValueError(f"{self.path}: truncated (read {got} of {self.size} bytes)")
-        self.nbytes += got
-        with self.phases("checksum"):
-            self._hash.update(data)
+        data = self._read_whole()
         self._flat_read = True  # every byte is read and hashed: iterating gives nothing
         if pos == 0:
             return torch.empty(0, dtype=TORCH_DTYPES[dtypes.pop()])
