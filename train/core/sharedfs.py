@@ -370,6 +370,22 @@ def fsync(fd: int, path: str | os.PathLike) -> None:
     retry("fsync", path, lambda: os.fsync(fd))
 
 
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait
+
+
+def start_writeback(fd: int, offset: int, nbytes: int, path: str | os.PathLike) -> None:
+    """Start writing bytes offset..offset+nbytes of `fd` to disk without waiting (Linux's sync_file_range with
+    SYNC_FILE_RANGE_WRITE), so the disk works while the writer goes on and the final fsync has little left to wait
+    for. It makes nothing durable by itself: the fsync that follows does. Where that call is missing or fails
+    (another OS, an error), an fdatasync of the file, retried as every fsync is, does the same job the blocking way,
+    so an error is never swallowed here (the fsync after a failed writeback must not be the first to hear of it)."""
+    libc = _libc()
+    fn = getattr(libc, "sync_file_range", None) if libc is not None else None
+    if fn is not None and fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0:
+        return
+    retry("fsync", path, lambda: os.fdatasync(fd))
+
+
 def open_fd(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
     return retry("open", path, lambda: os.open(path, flags, mode))
 
@@ -488,6 +504,9 @@ def _libc():
             lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
             lib.fallocate.restype = ctypes.c_int
+            if hasattr(lib, "sync_file_range"):  # Linux only
+                lib.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                lib.sync_file_range.restype = ctypes.c_int
         except (OSError, AttributeError):
             lib = None
         _libc_cache.append(lib)

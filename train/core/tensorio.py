@@ -11,6 +11,7 @@ mapped page that a soft NFS mount cannot read, or that another host pruned, is a
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -69,6 +70,34 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")  # 0-d too
 
 
+DIRECT_ALIGN = 4096  # O_DIRECT's unit for memory, file offsets and lengths (covers 512-byte sectors)
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for an open file (fcntl F_SETFL); False where the OS or filesystem refuses it."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    import fcntl
+
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | flag) if on else (flags & ~flag))
+    except OSError:
+        return False
+    return True
+
+
+def _direct_stage(fd: int):
+    """A page-aligned buffer for writing `fd` with O_DIRECT, or None (the page cache is used) where the filesystem
+    refuses O_DIRECT (tmpfs, some FUSE filesystems)."""
+    import mmap
+
+    if not _set_direct(fd, True):
+        return None
+    return mmap.mmap(-1, StreamingWriter.STAGE)
+
+
 class StreamingWriter:
     """Write a safetensors file tensor by tensor, in the order of `specs`.
 
@@ -78,7 +107,7 @@ class StreamingWriter:
 
     def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None, hash_bytes: bool = True, phases=None,
-                 like: str | None = None):
+                 like: str | None = None, direct: bool = False):
         from train.core.phases import NO_PHASES
 
         self.path = Path(path)
@@ -101,6 +130,7 @@ class StreamingWriter:
         self._next = 0
         # False: a file nobody checks by its checksum; `like`: hash with the algorithm of that stored checksum
         self._hash = digest.Hasher(like) if hash_bytes else None
+        self.direct = direct  # asked for; self._stage is set while the file is written with O_DIRECT
 
     def __enter__(self) -> "StreamingWriter":
         sharedfs.makedirs(self.path.parent)
@@ -114,15 +144,23 @@ class StreamingWriter:
             raise
         self._offset = 0
         self._unsynced = 0
+        self._stage = _direct_stage(self._fd) if self.direct else None
+        self._staged = 0  # bytes in the stage, which starts at file offset self._offset
         self._bg = _Background()
         self._emit(self._header)
         return self
 
-    SYNC_EVERY = 64 << 20  # flush to disk as we go, so the final fsync has little left to wait for
+    SYNC_EVERY = 64 << 20  # start the disk's writeback as we go (not waiting), so the final fsync has little left
 
     def _emit(self, data, keepalive=None) -> None:
         def job(data=data, keepalive=keepalive):  # keepalive: the tensor that owns `data`'s memory
             ph = self.phases
+            if self._stage is not None:
+                self._stage_in(data)
+                if self._hash is not None:
+                    with ph("checksum"):
+                        self._hash.update(data)
+                return
             with ph("write"):
                 sharedfs.pwrite(self._fd, data, self._offset, self._tmp)
             self._offset += len(data)
@@ -132,9 +170,42 @@ class StreamingWriter:
             self._unsynced += len(data)
             if self._unsynced >= self.SYNC_EVERY:
                 with ph("fsync"):
-                    sharedfs.retry("fsync", self._tmp, lambda: os.fdatasync(self._fd))
+                    sharedfs.start_writeback(self._fd, self._offset - self._unsynced, self._unsynced, self._tmp)
                 self._unsynced = 0
         self._bg.submit(job)
+
+    STAGE = 16 << 20  # with O_DIRECT: the aligned buffer the bytes go through, written whole
+
+    def _stage_in(self, data) -> None:
+        """O_DIRECT: copy `data` into the page-aligned stage, writing the stage out each time it is full."""
+        view, done, ph = memoryview(data).cast("B"), 0, self.phases
+        while done < len(view):
+            k = min(len(view) - done, self.STAGE - self._staged)
+            with ph("write (into the O_DIRECT buffer)"):
+                self._stage[self._staged:self._staged + k] = view[done:done + k]
+            self._staged += k
+            done += k
+            if self._staged == self.STAGE:
+                self._flush_stage()
+
+    def _flush_stage(self) -> None:
+        """Write the staged bytes at their offset: whole 4 KiB blocks (O_DIRECT's alignment: the last block of the
+        file is padded, and __exit__ cuts the file back to its size). A filesystem that takes the O_DIRECT flag but
+        refuses the write (EINVAL) gets it, and the rest of the file, through the page cache instead."""
+        n = self._staged
+        padded = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+        if padded > n:
+            self._stage[n:padded] = bytes(padded - n)
+        with self.phases("write"):
+            try:
+                sharedfs.pwrite(self._fd, memoryview(self._stage)[:padded], self._offset, self._tmp)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                _set_direct(self._fd, False)
+                sharedfs.pwrite(self._fd, memoryview(self._stage)[:n], self._offset, self._tmp)
+        self._offset += n
+        self._staged = 0
 
     def write(self, name: str, t: torch.Tensor) -> None:
         """Queue `t` for writing; it is written (and hashed) in the background, so do not modify it in place
@@ -162,6 +233,11 @@ class StreamingWriter:
             if exc_type is None:
                 if self._next != len(self.order):
                     raise ValueError(f"{self.path.name}: only {self._next}/{len(self.order)} tensors written")
+                if self._stage is not None:
+                    if self._staged:
+                        self._flush_stage()
+                    if self._offset % DIRECT_ALIGN:  # the padding of the last block cut off
+                        sharedfs.retry("truncate", self._tmp, lambda: os.ftruncate(fd, self.nbytes))
                 with self.phases("fsync"):
                     sharedfs.fsync(fd, self._tmp)
             os.close(fd)
@@ -171,6 +247,9 @@ class StreamingWriter:
                     sharedfs.replace(self._tmp, self.path)
                     fsync_dir(self.path.parent)
         finally:
+            if self._stage is not None:
+                self._stage.close()
+                self._stage = None
             if fd is not None:
                 os.close(fd)  # also when we raise above (e.g. too few tensors): no leaked handle
             try:

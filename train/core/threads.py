@@ -35,3 +35,39 @@ def beside_io(io_threads: int) -> int:
     """Intra-op threads for arithmetic that runs beside `io_threads` busy I/O threads: the cores they leave, at least
     one, and never more than torch has now."""
     return max(1, min(torch.get_num_threads(), cores() - io_threads))
+
+
+def lanes_beside_io(io_threads: int) -> int:
+    """Python threads ('lanes') for arithmetic split by hand beside `io_threads` mostly idle I/O threads (a writer
+    waits on the disk most of its time): every core, at most 4. Each lane runs torch with one intra-op thread
+    (ordered_map), so no kernel waits on a descheduled part of itself."""
+    return max(1, min(4, cores()))
+
+
+def ordered_map(fn, items, lanes: int, ahead: int = 8):
+    """fn(item) for each item, on `lanes` threads when lanes > 1 (torch's kernels release the GIL, so the lanes
+    run at once), the results yielded in the items' order with at most `ahead` items in flight. Call it inside
+    intra_op_threads(1): each lane starts with torch's threads as they are then (OpenMP keeps a thread's setting
+    from its first op). An error in fn is raised where its result is taken; items not yet started are then
+    cancelled and those running are waited for, so no item is left half done behind the caller's back."""
+    if lanes <= 1:
+        for it in items:
+            yield fn(it)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = torch.get_num_threads()
+    pending: deque = deque()
+    with ThreadPoolExecutor(lanes, thread_name_prefix="lane", initializer=torch.set_num_threads,
+                            initargs=(n,)) as pool:
+        try:
+            for it in items:
+                pending.append(pool.submit(fn, it))
+                if len(pending) >= ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()

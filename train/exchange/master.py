@@ -17,7 +17,9 @@ so the momentum and residual it ends with are those of an uninterrupted run.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -30,14 +32,15 @@ from train.exchange.outer import outer_lr_at, outer_step_piece, outer_step_tenso
 from train.core.store import publish_dir, read_json
 from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, iter_tensors
-from train.core.threads import beside_io, intra_op_threads
-from train.exchange.accumulate import Accumulator
+from train.core.threads import intra_op_threads, lanes_beside_io, ordered_map
+from train.exchange.accumulate import CHUNK, Accumulator
 from train.exchange.codec import Codec, Residual
 from train.exchange.protocol import RejectedDelta, check_sidecar
 from train.exchange.theta import GlobalTheta, read_update, theta_checksum
 
 log = logging.getLogger("coordinator")
 RESIDUAL = "residual::"
+SEGMENT = 4 * CHUNK  # values of a tensor one lane steps at a time (the no-codec step, _step_full)
 
 
 def exchange_codecs(oc) -> tuple[Codec, Codec | None]:
@@ -208,42 +211,59 @@ class OuterMaster:
         the next tensor is computed (the step with the cores the two writers leave: train/core/threads.py). Returns
         the bytes written. A retried global folder (publish_dir starts `fill` again after a transient error) writes
         the tensors already stepped as they are: each is stepped once."""
-        from train.exchange.accumulate import CHUNK
-
         oc, ph = self.oc, self.phases
         lr = outer_lr_at(r, oc) if lr is None else lr
         specs = {n: (torch.float32, tuple(self.shapes[n])) for n in self.names}
-        stepped: set[str] = set()
+        numel = {n: math.prod(self.shapes[n]) for n in self.names}
+        had = set(self.momentum)  # m_r exists (every round but the first: m_1 starts as the mean)
+        for n in self.names:
+            if n not in had:
+                self.momentum[n] = torch.empty(self.shapes[n], dtype=torch.float32)
+        # segments of up to SEGMENT values, stepped on the lanes; a tensor goes to the writers when all are done
+        segments = [(n, i, min(numel[n], i + SEGMENT)) for n in self.names for i in range(0, max(1, numel[n]), SEGMENT)]
+        done: set[tuple[str, int]] = set()  # (tensor, first value) of the segments stepped (publish_dir may retry)
+        local = threading.local()  # each lane's buffer for the mean's piece, overwritten by the step
         nbytes: list[int] = []
-        gbuf = torch.empty(CHUNK, dtype=torch.float32)  # the mean's piece, overwritten by the step
-        with intra_op_threads(beside_io(2)), \
+
+        def step_segment(seg: tuple[str, int, int]) -> str:
+            n, i0, j0 = seg
+            if (n, i0) in done:
+                return n
+            gbuf = getattr(local, "gbuf", None)
+            if gbuf is None:
+                gbuf = local.gbuf = torch.empty(CHUNK, dtype=torch.float32)
+            with ph("outer step"):
+                p, m = self.theta.tensors[n].view(-1), self.momentum[n].view(-1)
+                for i in range(i0, j0, CHUNK):
+                    j = min(j0, i + CHUNK)
+                    g = acc.mean_piece(n, i, j, out=gbuf)
+                    b = outer_step_piece(p[i:j], g, m[i:j] if n in had else None, lr, oc.momentum, oc.nesterov)
+                    if n not in had:
+                        m[i:j] = b
+            done.add((n, i0))
+            return n
+
+        with intra_op_threads(1), \
                 StreamingWriter(self.paths.outer_state(r + 1), specs, {"round": str(r + 1)}, hash_bytes=False,
-                                phases=ph) as mw:
+                                phases=ph, direct=True) as mw:
+            sent: set[str] = set()  # tensors handed to the momentum writer (once, whatever publish_dir retries)
+
             def fill(tmp: Path) -> dict:
                 for fname in ("config.json", "generation_config.json"):
                     if sharedfs.exists(self.paths.global_dir(0) / fname):
                         sharedfs.copy_file(self.paths.global_dir(0) / fname, tmp / fname)
-                with StreamingWriter(tmp / WEIGHTS, specs, {"format": "pt"}, phases=ph) as wr:
-                    for n in self.names:
-                        theta = self.theta.tensors[n]
-                        if n not in stepped:
-                            with ph("outer step"):
-                                p, numel = theta.view(-1), theta.numel()
-                                m = self.momentum.get(n)
-                                m = None if m is None else m.view(-1)
-                                new_m = torch.empty(numel, dtype=torch.float32) if m is None else m
-                                for i in range(0, numel, CHUNK):
-                                    j = min(numel, i + CHUNK)
-                                    g = acc.mean_piece(n, i, j, out=gbuf)
-                                    b = outer_step_piece(p[i:j], g, None if m is None else m[i:j], lr, oc.momentum,
-                                                         oc.nesterov)
-                                    if m is None:
-                                        new_m[i:j] = b
-                                self.momentum[n] = new_m.view(theta.shape)
-                        wr.write(n, theta)
-                        if n not in stepped:
+                count = {n: 0 for n in self.names}
+                for n, _, _ in segments:
+                    count[n] += 1
+                with StreamingWriter(tmp / WEIGHTS, specs, {"format": "pt"}, phases=ph, direct=True) as wr:
+                    for n in ordered_map(step_segment, segments, lanes_beside_io(2)):
+                        count[n] -= 1
+                        if count[n]:
+                            continue
+                        wr.write(n, self.theta.tensors[n])
+                        if n not in sent:
                             mw.write(n, self.momentum[n])
-                            stepped.add(n)
+                            sent.add(n)
                 nbytes.append(wr.nbytes)
                 return {WEIGHTS: wr.digest}
             publish_dir(self.paths.global_dir(r + 1), fill)
