@@ -218,3 +218,27 @@ def test_is_file_of_a_file_removed_after_the_listing_is_false(tmp_path, monkeypa
     f = tmp_path / "COMMITTED"
     monkeypatch.setattr(sharedfs, "exists", lambda path: True)  # the listing showed the name; then it went away
     assert sharedfs.is_file(f) is False
+
+
+def test_start_writeback_starts_the_disk_or_falls_back_to_fdatasync(tmp_path, monkeypatch):
+    """sync_file_range where Linux has it (nothing waits, the bytes stay as written); where the call is missing
+    (another OS) or fails (here: a bad descriptor), an fdatasync of the file does the job, so an error reaches the
+    caller the way it always did."""
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    synced = []
+    monkeypatch.setattr(os, "fdatasync", synced.append)
+    try:
+        os.pwrite(fd, b"x" * 100_000, 0)
+        sharedfs.start_writeback(fd, 0, 100_000, path)
+        libc = sharedfs._libc()
+        assert synced == ([] if libc is not None and hasattr(libc, "sync_file_range") else [fd])
+        synced.clear()
+        sharedfs.start_writeback(-1, 0, 10, path)  # EBADF from sync_file_range
+        assert synced == [-1]
+        monkeypatch.setattr(sharedfs, "_libc", lambda: None)
+        sharedfs.start_writeback(fd, 0, 100_000, path)
+        assert synced == [-1, fd]
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"x" * 100_000

@@ -283,3 +283,69 @@ def test_pipelined_reader_flat_gives_every_value_in_order_or_none(tmp_path, monk
     assert rd.flat(list(t)) is None
     rd.close()
     assert _open_fds_under(tmp_path) == []
+
+
+def _direct_case(n_values: list[int]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(len(n_values))
+    return {f"t{i}": torch.randn(k, generator=g) for i, k in enumerate(n_values)}
+
+
+@pytest.mark.parametrize("sizes", [[1], [3, 5, 1024], [(16 << 20) // 4 - 30, 7, 1 << 20], [1 << 22]],
+                         ids=["tiny", "small", "across-the-stage", "exactly-the-stage"])
+def test_direct_writer_writes_the_same_bytes_as_the_page_cache_writer(tmp_path, sizes):
+    """O_DIRECT through the aligned stage: the same file byte for byte (the last block's padding cut off, the
+    stage's boundaries anywhere in a tensor), the same checksum, no temp file; where the filesystem refuses O_DIRECT
+    the page cache is used and the file is the same too."""
+    tensors = _direct_case(sizes)
+    specs = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+    out = {}
+    for direct in (False, True):
+        path = tmp_path / f"d{int(direct)}" / "x.safetensors"
+        with StreamingWriter(path, specs, {"round": "1"}, direct=direct) as w:
+            for k, v in tensors.items():
+                w.write(k, v)
+        out[direct] = (path.read_bytes(), w.digest, w.nbytes)
+        assert os.listdir(path.parent) == ["x.safetensors"]
+    assert out[True] == out[False]
+    assert len(out[True][0]) == out[True][2]
+    _assert_equal_dicts(load_file(str(tmp_path / "d1" / "x.safetensors")), tensors)
+
+
+def test_direct_writer_falls_back_to_the_page_cache_when_a_write_is_refused(tmp_path, monkeypatch):
+    """A filesystem that takes the O_DIRECT flag but refuses the aligned write (EINVAL) gets that stage and the
+    rest of the file through the page cache: the same bytes, O_DIRECT off for the descriptor."""
+    import errno
+    import fcntl
+
+    from train.core import sharedfs
+
+    tensors = _direct_case([(16 << 20) // 4 + 100, 300])
+    specs = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+    real, refused, flags_after = sharedfs.pwrite, [], []
+
+    def pwrite(fd, data, offset, path):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            if refused:
+                flags_after.append("still direct")
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset, path)
+    monkeypatch.setattr(sharedfs, "pwrite", pwrite)
+    path = tmp_path / "x.safetensors"
+    with StreamingWriter(path, specs, direct=True) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+    ref = tmp_path / "ref.safetensors"
+    monkeypatch.setattr(sharedfs, "pwrite", real)
+    save_streaming(ref, tensors)
+    assert path.read_bytes() == ref.read_bytes() and w.digest == digest.of_bytes(ref.read_bytes())
+    if refused:  # (on a filesystem without O_DIRECT at all the flag was never set)
+        assert refused == [0] and flags_after == []
+
+
+def test_direct_writer_errors_leave_no_file_and_no_handle(tmp_path):
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(ValueError, match="only 1/2 tensors written"):
+        with StreamingWriter(path, SPECS, direct=True) as w:
+            w.write("a", torch.zeros(2, 2))
+    assert os.listdir(tmp_path) == [] and _open_fds_under(tmp_path) == []

@@ -29,7 +29,7 @@ import torch
 
 from train.core import digest, sharedfs
 from train.core.phases import NO_PHASES
-from train.core.threads import beside_io, intra_op_threads
+from train.core.threads import intra_op_threads, lanes_beside_io, ordered_map
 from train.core.tensorio import PipelinedReader, read_header
 from train.exchange.codec import Codec, CodecError, all_finite
 from train.exchange.protocol import CHECKSUM_DIFFERS, RejectedDelta
@@ -145,12 +145,24 @@ class Accumulator:
                     self._check_flat(flat)
                 touched = True
                 self._add_flat(flat, a, key)
-            with intra_op_threads(beside_io(1)):  # the reader thread keeps a core (train/core/threads.py)
-                for n, stored in rd:  # (nothing left after flat())
-                    with ph("checks"):
-                        self.codec.check_values(n, stored, self.shapes[n])
-                    touched = True
-                    self._add_tensor(n, stored, a, key)
+            started: list[bool] = []  # a lane began adding (a rejection then rebuilds the sum)
+
+            def check_and_add(item) -> list:
+                n, stored = item
+                with ph("checks"):
+                    self.codec.check_values(n, stored, self.shapes[n])
+                started.append(True)
+                return self._add_tensor(n, stored, a, key is not None)
+
+            # the tensors on the lanes as the reader thread brings them (each tensor's sum is its own: the same bits
+            # whichever lane adds it); the screen's statistics taken here in the model's order
+            with intra_op_threads(1):
+                try:
+                    for stats in ordered_map(check_and_add, rd, lanes_beside_io(1), ahead=4):
+                        for st in stats:
+                            self.stats.take(key, st)
+                finally:
+                    touched = touched or bool(started)
             sha = rd.finish()
             reason = None if sha == meta["sha256"] else CHECKSUM_DIFFERS
         except (CodecError, ValueError, OSError) as e:
@@ -206,9 +218,11 @@ class Accumulator:
                     s.add_(d[pos:pos + k], alpha=a)
                 pos += k
 
-    def _add_tensor(self, n: str, stored: dict[str, torch.Tensor], a: float, key) -> None:
-        """sum[n] += a · decode(stored), in pieces of CHUNK values (the screen's statistics on the way)."""
-        ph, shape = self.phases, self.shapes[n]
+    def _add_tensor(self, n: str, stored: dict[str, torch.Tensor], a: float, observe: bool) -> list:
+        """sum[n] += a · decode(stored), in pieces of CHUNK values; with `observe`, the screen's statistics of each
+        piece (DeltaStats.chunk_stats, for the caller to take in order) on the way. Touches only sum[n]: the
+        tensors of a delta can be added on different threads."""
+        ph, shape, stats = self.phases, self.shapes[n], []
         with ph("decode"):
             if self.codec.quantised:  # block codes and scales: decoded per tensor (a tensor-sized temporary)
                 dec = self.codec.decode(n, stored, shape).reshape(-1)
@@ -223,14 +237,15 @@ class Accumulator:
             j = min(numel, i + CHUNK)
             with ph("accumulate"):
                 d = dec[i:j].to(torch.float64)  # exact, from float32 (and from the 16-bit casts)
-            if key is not None:
+            if observe:
                 with ph("screen"):
-                    self.stats.observe_chunk(key, n, i, d)
+                    stats.append(self.stats.chunk_stats(n, i, d))
             with ph("accumulate"):
                 if first:
                     torch.mul(d, a, out=s[i:j])
                 else:
                     s[i:j].add_(d, alpha=a)
+        return stats
 
     def drop(self, out: set[int]) -> None:
         """Take the on-time deltas of workers `out` back out (the screen rejected them): the sum is rebuilt from the

@@ -97,10 +97,19 @@ class DeltaStats:
     def observe_chunk(self, key, name: str, offset: int, d: torch.Tensor) -> None:
         """The values `offset`.. of delta `key`'s decoded tensor `name`, pieces fed in order (the accumulator's
         pieces: the samples are the same every-s-th values of the flat model as a whole tensor's)."""
+        self.take(key, self.chunk_stats(name, offset, d))
+
+    def chunk_stats(self, name: str, offset: int, d: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """observe_chunk's work without its bookkeeping (any thread): the piece's squared norm and its sample."""
         flat = d.reshape(-1).to(torch.float64)
-        self.norm2[key] = self.norm2.get(key, 0.0) + float(flat.dot(flat))
         phase = (-(self.start[name] + offset)) % self.stride
-        self.samples.setdefault(key, []).append(flat[phase::self.stride].clone())
+        return float(flat.dot(flat)), flat[phase::self.stride].clone()
+
+    def take(self, key, stats: tuple[float, torch.Tensor]) -> None:
+        """One piece's chunk_stats for delta `key`, taken in the pieces' order (the norm's float sum is summed in
+        that order, the sample concatenated in it)."""
+        self.norm2[key] = self.norm2.get(key, 0.0) + stats[0]
+        self.samples.setdefault(key, []).append(stats[1])
 
     def seal(self, key) -> None:
         """Delta `key` is whole (every tensor observed; the accumulator accepted it): its sample becomes a row of
