@@ -8,6 +8,11 @@ re-reads it to hash it.
 Files live on the shared disk, so every read and write is a pread / pwrite at an explicit offset through the retry
 policy of train/core/sharedfs.py (a retried call repeats exactly what failed), and nothing is memory-mapped: a
 mapped page that a soft NFS mount cannot read, or that another host pruned, is a SIGBUS rather than an error.
+
+A file nobody on this host reads back soon (the coordinator's θ_{r+1} and momentum) can be written with O_DIRECT
+(`direct=True`): through a page-aligned buffer in memory, straight to the disk, so the kernel does not copy it into
+the page cache — on 2 cores that copy was a second of CPU per GB in the round's tail (docs/benchmarks.md, "Outer
+step"). A filesystem without O_DIRECT gets the page cache, as every other file does.
 """
 from __future__ import annotations
 
