@@ -37,10 +37,10 @@ def beside_io(io_threads: int) -> int:
     return max(1, min(torch.get_num_threads(), cores() - io_threads))
 
 
-def lanes_beside_io(io_threads: int) -> int:
-    """Python threads ('lanes') for arithmetic split by hand beside `io_threads` mostly idle I/O threads (a writer
-    waits on the disk most of its time): every core, at most 4. Each lane runs torch with one intra-op thread
-    (ordered_map), so no kernel waits on a descheduled part of itself."""
+def lanes() -> int:
+    """Python threads ('lanes') for arithmetic split by hand beside I/O threads that mostly wait (a reader or an
+    O_DIRECT writer waits on the disk most of its time): every core, at most 4. Each lane runs torch with one
+    intra-op thread (ordered_map), so no kernel waits on a descheduled part of itself."""
     return max(1, min(4, cores()))
 
 

@@ -2,7 +2,8 @@
 the work left after the last arrival (one delta, the outer step, the commit) does not grow with the number of workers.
 
 Each delta is read once, front to back, on a background thread that hashes its bytes as they come
-(train/core/tensorio.py's PipelinedReader), while this thread checks and adds the tensor before it: its size and
+(train/core/tensorio.py's PipelinedReader), while the lanes (one thread per core, train/core/threads.py) check and
+add the tensors before it: its size and
 header are checked against the sidecar, the run's codec and the global model's shapes before a value is used (from
 the reader's own open of the file: one open per delta), each tensor's values (finite, scales >= 0) just before it is
 added, and the file's checksum (train/core/digest.py) against the sidecar's once
@@ -29,7 +30,7 @@ import torch
 
 from train.core import digest, sharedfs
 from train.core.phases import NO_PHASES
-from train.core.threads import intra_op_threads, lanes_beside_io, ordered_map
+from train.core.threads import intra_op_threads, lanes, ordered_map
 from train.core.tensorio import PipelinedReader, read_header
 from train.exchange.codec import Codec, CodecError, all_finite
 from train.exchange.protocol import CHECKSUM_DIFFERS, RejectedDelta
@@ -158,7 +159,7 @@ class Accumulator:
             # whichever lane adds it); the screen's statistics taken here in the model's order
             with intra_op_threads(1):
                 try:
-                    for stats in ordered_map(check_and_add, rd, lanes_beside_io(1), ahead=4):
+                    for stats in ordered_map(check_and_add, rd, lanes(), ahead=4):
                         for st in stats:
                             self.stats.take(key, st)
                 finally:

@@ -32,7 +32,7 @@ from train.exchange.outer import outer_lr_at, outer_step_piece, outer_step_tenso
 from train.core.store import publish_dir, read_json
 from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, iter_tensors
-from train.core.threads import intra_op_threads, lanes_beside_io, ordered_map
+from train.core.threads import intra_op_threads, lanes, ordered_map
 from train.exchange.accumulate import CHUNK, Accumulator
 from train.exchange.codec import Codec, Residual
 from train.exchange.protocol import RejectedDelta, check_sidecar
@@ -206,11 +206,12 @@ class OuterMaster:
 
     def _step_full(self, r: int, acc: Accumulator, lr: float | None = None) -> int:
         """No codec: θ_{r+1} and m_{r+1} computed in place, piece by piece (train/exchange/outer.py's
-        outer_step_piece on the mean's pieces: no model-sized temporary), each tensor handed to two writers as soon as
-        it is done — the global model and the outer state, written, hashed and fsync'd on their own threads while
-        the next tensor is computed (the step with the cores the two writers leave: train/core/threads.py). Returns
-        the bytes written. A retried global folder (publish_dir starts `fill` again after a transient error) writes
-        the tensors already stepped as they are: each is stepped once."""
+        outer_step_piece on the mean's pieces: no model-sized temporary), in segments of SEGMENT values on every
+        core's lane (train/core/threads.py), each tensor handed to two writers as soon as all its segments are done —
+        the global model and the outer state, written with O_DIRECT (hashed: the model) and fsync'd on their own
+        threads while the next segments are computed. Returns the bytes written. A retried global folder (publish_dir
+        starts `fill` again after a transient error) writes the segments already stepped as they are: each is
+        stepped once."""
         oc, ph = self.oc, self.phases
         lr = outer_lr_at(r, oc) if lr is None else lr
         specs = {n: (torch.float32, tuple(self.shapes[n])) for n in self.names}
@@ -256,7 +257,7 @@ class OuterMaster:
                 for n, _, _ in segments:
                     count[n] += 1
                 with StreamingWriter(tmp / WEIGHTS, specs, {"format": "pt"}, phases=ph, direct=True) as wr:
-                    for n in ordered_map(step_segment, segments, lanes_beside_io(2)):
+                    for n in ordered_map(step_segment, segments, lanes()):
                         count[n] -= 1
                         if count[n]:
                             continue
