@@ -10,7 +10,9 @@ the last arrival — that delta, the screen's decision, the outer step, writing 
 should not grow with N.
 
 For each N, in the same run, on the same disk, the measurements interleaved repeat by repeat (medians reported):
-  tail        the last arrival -> committed: add the last delta, screen, OuterMaster.step, COMMITTED (the N−1
+  tail        the last arrival -> committed: add the last delta, screen, OuterMaster.step, COMMITTED — without a
+              codec the last delta is read inside the step and the screen decides after it, as the coordinator
+              does (train/diloco/coordinator.py: step_with_last) (the N−1
               earlier deltas were added before the clock starts, as they are in a real round, and the outer momentum
               m_r exists, as in every round after the first); then, after the commit (the workers already go on),
               the metrics line and the timeline record
@@ -101,13 +103,18 @@ def one_round(cfg, paths, n: int, at_end: bool, worker=None, momentum=None) -> d
     ph.busy.clear()
     read_before = acc.bytes_read
     t0 = time.perf_counter()
-    for w in range(n):
-        if w not in early:
-            acc.add(w, check_sidecar(paths, 0, w, m.delta_codec))
-    with ph("screen (decision)"):
-        rejected, _ = screen_round(acc, cfg.outer.screen_norm_ratio, cfg.outer.screen_min_cosine)
-    assert not rejected, rejected
-    fields = m.step(0, acc)
+    if not at_end and m.can_take_last(acc):  # as the coordinator does: the last delta read inside the step
+        fields = m.step(0, acc, last=(n - 1, check_sidecar(paths, 0, n - 1, m.delta_codec)))
+        with ph("screen (decision)"):
+            rejected, _ = screen_round(acc, cfg.outer.screen_norm_ratio, cfg.outer.screen_min_cosine)
+    else:
+        for w in range(n):
+            if w not in early:
+                acc.add(w, check_sidecar(paths, 0, w, m.delta_codec))
+        with ph("screen (decision)"):
+            rejected, _ = screen_round(acc, cfg.outer.screen_norm_ratio, cfg.outer.screen_min_cosine)
+        fields = m.step(0, acc)
+    assert fields is not None and not rejected, rejected
     with ph("commit"):
         commit(paths, 1, {"workers": acc.workers, **{k: fields[k] for k in (
             "update_sha256", "theta_sha256", "checkpoint", "codec", "sparse_step") if k in fields}})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -136,6 +137,7 @@ class StreamingWriter:
         # False: a file nobody checks by its checksum; `like`: hash with the algorithm of that stored checksum
         self._hash = digest.Hasher(like) if hash_bytes else None
         self.direct = direct  # asked for; self._stage is set while the file is written with O_DIRECT
+        self._part = 0  # values of tensor order[_next] queued by write_part so far
 
     def __enter__(self) -> "StreamingWriter":
         sharedfs.makedirs(self.path.parent)
@@ -216,14 +218,36 @@ class StreamingWriter:
         """Queue `t` for writing; it is written (and hashed) in the background, so do not modify it in place
         before the writer is closed."""
         expected = self.order[self._next] if self._next < len(self.order) else None
-        if name != expected:
-            raise ValueError(f"{self.path.name}: expected tensor {expected!r} next, got {name!r}")
+        if name != expected or self._part:
+            raise ValueError(f"{self.path.name}: expected tensor {expected!r} next, got {name!r}"
+                             + (f" (its parts: {self._part} values so far)" if self._part else ""))
         dtype, shape = self.specs[name]
         if t.dtype != dtype or tuple(t.shape) != tuple(shape):
             raise ValueError(f"{self.path.name}: {name}: got {t.dtype}{tuple(t.shape)}, declared {dtype}{shape}")
         t = t.detach().to("cpu").contiguous()
         self._emit(tensor_bytes(t), keepalive=t)
         self._next += 1
+
+    def write_part(self, name: str, part: torch.Tensor) -> None:
+        """Queue the next values of tensor `name` (a flat piece of it, in order: the pieces of a tensor one after
+        the other, then the next tensor's), so its first bytes are written before its last ones are computed. The
+        same rule as write(): do not modify `part` in place before the writer is closed."""
+        expected = self.order[self._next] if self._next < len(self.order) else None
+        if name != expected:
+            raise ValueError(f"{self.path.name}: expected tensor {expected!r} next, got {name!r}")
+        dtype, shape = self.specs[name]
+        if part.dtype != dtype or part.dim() != 1:
+            raise ValueError(f"{self.path.name}: {name}: a part must be flat {dtype}, got {part.dtype}"
+                             f"{tuple(part.shape)}")
+        total = math.prod(shape)
+        if self._part + part.numel() > total:
+            raise ValueError(f"{self.path.name}: {name}: parts of {self._part + part.numel()} values, declared {total}")
+        part = part.detach().to("cpu").contiguous()
+        self._emit(tensor_bytes(part), keepalive=part)
+        self._part += part.numel()
+        if self._part == total:
+            self._next += 1
+            self._part = 0
 
     @property
     def digest(self) -> str | None:

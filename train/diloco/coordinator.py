@@ -264,10 +264,12 @@ class Coordinator:
                                    f"{want} (the data layout changed: docs/elastic.md)")
         return meta
 
-    def collect(self, r: int) -> tuple[Accumulator, dict[int, str], list[int], float]:
+    def collect(self, r: int) -> tuple[Accumulator, dict[int, str], list[int], float, tuple[int, dict] | None]:
         """Wait for round r's deltas and add each as it arrives (train/exchange/accumulate.py), until every worker's
-        is in (accepted or rejected) or the timeout passed with >= min_workers accepted.
-        Returns (the accumulator, {worker: rejection reason}, missing workers, time of the last arrival)."""
+        is in (accepted or rejected) or the timeout passed with >= min_workers accepted. The delta that completes
+        the round is not added here where the outer step can read it itself (OuterMaster.can_take_last): it is
+        returned as `last` (its worker, its checked sidecar), and the screen waits for it (run_round).
+        Returns (the accumulator, {worker: rejection reason}, missing workers, time of the last arrival, last)."""
         from tqdm import tqdm
 
         oc = self.cfg.outer
@@ -285,6 +287,8 @@ class Coordinator:
         d, t_leases = None, 0.0
         every = leases_every_s(N, oc.dead_after_s)
         closing = Closing(N, oc.poll_interval_s)
+        last = None
+        fuse = self.master.can_take_last(acc)
         while True:
             self.monitor()
             got = self.arrived(r)
@@ -292,8 +296,13 @@ class Coordinator:
                 if w in acc.metas or w in rejected:
                     continue
                 try:
-                    acc.add(w, self.check_slice(r, w, check_sidecar(self.paths, r, w, self.master.delta_codec,
-                                                                     acc.shapes, self.listed, file_checks=False)))
+                    meta = self.check_slice(r, w, check_sidecar(self.paths, r, w, self.master.delta_codec,
+                                                                acc.shapes, self.listed, file_checks=False))
+                    if fuse and 0 <= w < N and len(acc.workers) + 1 >= oc.min_workers and all(
+                            v in acc.metas or v in rejected for v in range(N) if v != w):
+                        last = (w, meta)  # the round's last delta: read inside the outer step
+                    else:
+                        acc.add(w, meta)
                 except RejectedDelta as e:
                     rejected[w] = e.reason
                     log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)
@@ -334,17 +343,48 @@ class Coordinator:
             self.expect_last.seen(time.monotonic() - t0 - (time.perf_counter() - t_last))
         bar.close()
         self.lease.set("reducing", round=r)
-        self.screen(r, acc, rejected)
+        if last is None:
+            self.screen(r, acc, rejected)
         self.membership.record_round()
         self.missing_why = {f"w{w:03d}": v for w, v in why.items()}
-        if len(acc.workers) < oc.min_workers:
+        if len(acc.workers) + (last is not None) < oc.min_workers:
             raise ProtocolError(f"round {r}: only {len(acc.workers)} valid deltas (min_workers = {oc.min_workers}); "
                                 f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
         missing = [w for w in range(slots) if w not in got]
         for w in missing:
             self.missing_why.setdefault(f"w{w:03d}", f"not awaited: the run has {N} workers from round "
                                                      f"{self.layout.last['from_round']} (data layout)")
-        return acc, rejected, missing, t_last
+        return acc, rejected, missing, t_last, last
+
+    def step_with_last(self, r: int, acc: Accumulator, rejected: dict[int, str], last: tuple[int, dict]
+                       ) -> dict | None:
+        """The outer step that reads the round's last delta itself (OuterMaster.step's `last`), then the screen over
+        every delta. Returns the step's fields, or None when the step must be taken the ordinary way: the delta
+        was refused inside the step (it joins `rejected`), the screen took a delta out (the step is undone), or the
+        step fell back (the delta is then added here first)."""
+        oc, (w, meta) = self.cfg.outer, last
+        try:
+            fields = self.master.step(r, acc, last=last)
+        except RejectedDelta as e:
+            rejected[w] = e.reason
+            log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)
+            fields = None
+        else:
+            if fields is None:  # rolled back: the delta the ordinary way
+                try:
+                    acc.add(w, meta)
+                except RejectedDelta as e:
+                    rejected[w] = e.reason
+                    log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)
+        before = set(acc.workers)
+        self.screen(r, acc, rejected)
+        if fields is not None and set(acc.workers) != before:  # the screen took some out: θ_{r+1} is not this
+            self.master.roll_back(r)
+            fields = None
+        if fields is None and len(acc.workers) < oc.min_workers:
+            raise ProtocolError(f"round {r}: only {len(acc.workers)} valid deltas (min_workers = {oc.min_workers}); "
+                                f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
+        return fields
 
     def screen(self, r: int, acc: Accumulator, rejected: dict[int, str]) -> None:
         """outer.screen (train/exchange/screen.py): the round's on-time deltas, as a set, once it closed; a rejected
@@ -413,11 +453,13 @@ class Coordinator:
     def run_round(self, r: int) -> dict:
         paths, oc = self.paths, self.cfg.outer
         t0 = time.perf_counter()
-        acc, rejected, missing, t_last = self.collect(r)
+        acc, rejected, missing, t_last, last = self.collect(r)
         t_wait = t_last - t0
         t1 = time.perf_counter()
         try:
-            fields = self.master.step(r, acc)
+            fields = self.step_with_last(r, acc, rejected, last) if last is not None else None
+            if fields is None:
+                fields = self.master.step(r, acc)
         except BaseException:
             self.master.discard_uncommitted(r)
             raise

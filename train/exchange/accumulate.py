@@ -147,13 +147,21 @@ class Accumulator:
                 touched = True
                 self._add_flat(flat, a, key)
             started: list[bool] = []  # a lane began adding (a rejection then rebuilds the sum)
+            # with the screen's statistics, their squared norm is the finite check: a float64 sum of squares of
+            # values of <= 32 bits is finite exactly when every value is (codec.all_finite's argument), so a cast
+            # delta is not read a second time for it; a NaN found so is found after its piece was added (rebuild)
+            by_norm = key is not None and not self.codec.quantised
 
             def check_and_add(item) -> list:
                 n, stored = item
-                with ph("checks"):
-                    self.codec.check_values(n, stored, self.shapes[n])
+                if not by_norm:
+                    with ph("checks"):
+                        self.codec.check_values(n, stored, self.shapes[n])
                 started.append(True)
-                return self._add_tensor(n, stored, a, key is not None)
+                stats = self._add_tensor(n, stored, a, key is not None)
+                if by_norm and not all(math.isfinite(st[0]) for st in stats):
+                    raise CodecError(f"{n}: non-finite values (NaN/inf)")
+                return stats
 
             # the tensors on the lanes as the reader thread brings them (each tensor's sum is its own: the same bits
             # whichever lane adds it); the screen's statistics taken here in the model's order
@@ -223,19 +231,25 @@ class Accumulator:
         """sum[n] += a · decode(stored), in pieces of CHUNK values; with `observe`, the screen's statistics of each
         piece (DeltaStats.chunk_stats, for the caller to take in order) on the way. Touches only sum[n]: the
         tensors of a delta can be added on different threads."""
-        ph, shape, stats = self.phases, self.shapes[n], []
-        with ph("decode"):
+        shape = self.shapes[n]
+        with self.phases("decode"):
             if self.codec.quantised:  # block codes and scales: decoded per tensor (a tensor-sized temporary)
                 dec = self.codec.decode(n, stored, shape).reshape(-1)
             else:  # a cast, decoded piece by piece below
                 dec = stored[n].reshape(-1)
         numel = math.prod(shape)
-        s = self.sum.get(n)
-        first = s is None
+        first = n not in self.sum
         if first:
-            s = self.sum[n] = torch.empty(numel, dtype=torch.float64)
-        for i in range(0, numel, CHUNK):
-            j = min(numel, i + CHUNK)
+            self.sum[n] = torch.empty(numel, dtype=torch.float64)
+        return self.add_range(n, dec, a, observe, 0, numel, first)
+
+    def add_range(self, n: str, dec: torch.Tensor, a: float, observe: bool, i0: int, j0: int, first: bool) -> list:
+        """sum[n][i0:j0] += a · dec[i0:j0] (dec: the decoded flat tensor; `first`: sum[n] holds nothing yet, the
+        product is stored), piece by piece; the screen's statistics of each piece with `observe`. Touches only
+        that range of sum[n]: ranges of one tensor can be added on different threads."""
+        ph, s, stats = self.phases, self.sum[n], []
+        for i in range(i0, j0, CHUNK):
+            j = min(j0, i + CHUNK)
             with ph("accumulate"):
                 d = dec[i:j].to(torch.float64)  # exact, from float32 (and from the 16-bit casts)
             if observe:
@@ -247,6 +261,43 @@ class Accumulator:
                 else:
                     s[i:j].add_(d, alpha=a)
         return stats
+
+    # -- the last delta of a round, added inside the outer step (OuterMaster.step's `last`) ---------------------------
+    def weight_of(self, meta: dict) -> float:
+        """An on-time delta's weight a_w (its tokens, or 1 without token weighting)."""
+        return float(meta["tokens"]) if self.token_weighted else 1.0
+
+    def open_delta(self, w: int, meta: dict) -> PipelinedReader:
+        """Worker w's delta of this round opened for reading tensor by tensor, its size and header checked (as add
+        checks them); RejectedDelta otherwise."""
+        f = self.paths.delta_file(self.r, w)
+        groups = [(n, list(self.codec.specs(n, tuple(s)))) for n, s in self.shapes.items()]
+        try:
+            rd = PipelinedReader(f, groups, phases=self.phases, like=meta["sha256"])
+        except (ValueError, OSError) as e:
+            raise RejectedDelta(w, _whole_file_reason(self, f, meta) or f"unreadable delta file ({e})")
+        try:
+            if rd.size != meta["bytes"]:
+                raise ValueError(f"file has {rd.size} bytes, sidecar says {meta['bytes']} (truncated?)")
+            self.codec.check_header(rd.header, self.shapes, rd.metadata)
+        except (CodecError, ValueError, OSError) as e:
+            rd.close()
+            self.bytes_read += rd.nbytes
+            raise RejectedDelta(w, _whole_file_reason(self, f, meta) or str(e))
+        return rd
+
+    def bad_delta_reason(self, w: int, meta: dict, e: BaseException) -> str:
+        """Why worker w's delta of this round is refused after `e` came up while reading or checking it: the size
+        or checksum reason when the file is not the one its sidecar vouches for, else e's message."""
+        return _whole_file_reason(self, self.paths.delta_file(self.r, w), meta) or str(e)
+
+    def accepted(self, w: int, meta: dict, a: float, observed: bool) -> None:
+        """Worker w's delta, added (and its weight counted in total) by its caller, joins the accepted ones."""
+        if observed and self.stats is not None:
+            self.stats.seal(w)
+        self.workers.append(w)
+        self.metas[w] = meta
+        self.weights[w] = a
 
     def drop(self, out: set[int]) -> None:
         """Take the on-time deltas of workers `out` back out (the screen rejected them): the sum is rebuilt from the

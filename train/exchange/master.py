@@ -34,13 +34,22 @@ from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, iter_tensors
 from train.core.threads import intra_op_threads, lanes, ordered_map
 from train.exchange.accumulate import CHUNK, Accumulator
-from train.exchange.codec import Codec, Residual
-from train.exchange.protocol import RejectedDelta, check_sidecar
+from train.exchange.codec import Codec, Residual, all_finite
+from train.exchange.protocol import CHECKSUM_DIFFERS, RejectedDelta, check_sidecar
 from train.exchange.theta import GlobalTheta, read_update, theta_checksum
 
 log = logging.getLogger("coordinator")
 RESIDUAL = "residual::"
 SEGMENT = 4 * CHUNK  # values of a tensor one lane steps at a time (the no-codec step, _step_full)
+
+
+class _BadDelta(Exception):
+    """The round's last delta, read inside the step, is refused (its reason)."""
+
+
+class _FillAgain(Exception):
+    """publish_dir would fill θ_{r+1}'s folder a second time (after a transient error): the step that reads the
+    round's last delta itself read it once, so step() falls back to the ordinary way instead."""
 
 
 def exchange_codecs(oc) -> tuple[Codec, Codec | None]:
@@ -204,15 +213,21 @@ class OuterMaster:
             self._seen[n] = seen
         return stored, new_theta
 
-    def _step_full(self, r: int, acc: Accumulator, lr: float | None = None) -> int:
+    def _step_full(self, r: int, acc: Accumulator, lr: float | None = None, last: tuple | None = None) -> int:
         """No codec: θ_{r+1} and m_{r+1} computed in place, piece by piece (train/exchange/outer.py's
         outer_step_piece on the mean's pieces: no model-sized temporary), in segments of SEGMENT values on every
-        core's lane (train/core/threads.py), each tensor handed to two writers as soon as all its segments are done —
-        the global model and the outer state, written with O_DIRECT (hashed: the model) and fsync'd on their own
+        core's lane (train/core/threads.py), each segment handed to two writers as soon as it is stepped — the
+        global model and the outer state, written with O_DIRECT (hashed: the model) and fsync'd on their own
         threads while the next segments are computed. Returns the bytes written. A retried global folder (publish_dir
         starts `fill` again after a transient error) writes the segments already stepped as they are: each is
-        stepped once."""
+        stepped once.
+
+        `last` = (w, its sidecar, its open reader): the round's last delta, not yet in `acc`, is read here and each
+        piece of it is checked and added just before that piece is stepped (step() says what happens when it turns
+        out bad)."""
         oc, ph = self.oc, self.phases
+        if last is not None:
+            w, meta, rd = last  # rd: its reader, open, size and header checked (Accumulator.open_delta)
         lr = outer_lr_at(r, oc) if lr is None else lr
         specs = {n: (torch.float32, tuple(self.shapes[n])) for n in self.names}
         numel = {n: math.prod(self.shapes[n]) for n in self.names}
@@ -225,11 +240,28 @@ class OuterMaster:
         done: set[tuple[str, int]] = set()  # (tensor, first value) of the segments stepped (publish_dir may retry)
         local = threading.local()  # each lane's buffer for the mean's piece, overwritten by the step
         nbytes: list[int] = []
+        if last is not None:
+            a, observe = acc.weight_of(meta), acc.stats is not None
+            by_norm = observe and not acc.codec.quantised  # the squared norm is the finite check (accumulate.py)
+            first = {n: n not in acc.sum for n in self.names}
+            for n in self.names:
+                if first[n]:
+                    acc.sum[n] = torch.empty(numel[n], dtype=torch.float64)
+            acc.total += a
 
-        def step_segment(seg: tuple[str, int, int]) -> str:
-            n, i0, j0 = seg
+        def step_segment(seg) -> tuple[str, int, int, list]:
+            n, i0, j0, dec = seg
             if (n, i0) in done:
-                return n
+                return n, i0, j0, []
+            stats: list = []
+            if dec is not None:  # the last delta's values of this segment into the sum first
+                if not by_norm:
+                    with ph("checks"):
+                        if not all_finite(dec[i0:j0]):
+                            raise _BadDelta(f"{n}: non-finite values (NaN/inf)")
+                stats = acc.add_range(n, dec, a, observe, i0, j0, first[n])
+                if by_norm and not all(math.isfinite(st[0]) for st in stats):
+                    raise _BadDelta(f"{n}: non-finite values (NaN/inf)")
             gbuf = getattr(local, "gbuf", None)
             if gbuf is None:
                 gbuf = local.gbuf = torch.empty(CHUNK, dtype=torch.float32)
@@ -242,33 +274,100 @@ class OuterMaster:
                     if n not in had:
                         m[i:j] = b
             done.add((n, i0))
-            return n
+            return n, i0, j0, stats
 
+        def items():
+            if last is None:
+                for n, i, j in segments:
+                    yield n, i, j, None
+                return
+            it = iter(rd)
+            for n in self.names:
+                try:
+                    got, stored = next(it)
+                except (StopIteration, ValueError, OSError) as e:
+                    raise _BadDelta(str(e) or "the file ends before its last tensor") from None
+                if got != n:
+                    raise _BadDelta(f"tensor {got!r} where {n!r} was expected")
+                dec = stored[n].reshape(-1)  # a cast: decoded piece by piece as it is added
+                for i in range(0, max(1, numel[n]), SEGMENT):
+                    yield n, i, min(numel[n], i + SEGMENT), dec
+
+        filled: list[bool] = []
         with intra_op_threads(1), \
                 StreamingWriter(self.paths.outer_state(r + 1), specs, {"round": str(r + 1)}, hash_bytes=False,
                                 phases=ph, direct=True) as mw:
-            sent: set[str] = set()  # tensors handed to the momentum writer (once, whatever publish_dir retries)
+            sent: set[tuple[str, int]] = set()  # segments handed to the momentum writer (once, whatever publish_dir
+            # retries)
 
             def fill(tmp: Path) -> dict:
+                if last is not None and filled:  # the last delta was read once: step() falls back instead
+                    raise _FillAgain()
+                filled.append(True)
                 for fname in ("config.json", "generation_config.json"):
                     if sharedfs.exists(self.paths.global_dir(0) / fname):
                         sharedfs.copy_file(self.paths.global_dir(0) / fname, tmp / fname)
-                count = {n: 0 for n in self.names}
-                for n, _, _ in segments:
-                    count[n] += 1
                 with StreamingWriter(tmp / WEIGHTS, specs, {"format": "pt"}, phases=ph, direct=True) as wr:
-                    for n in ordered_map(step_segment, segments, lanes()):
-                        count[n] -= 1
-                        if count[n]:
-                            continue
-                        wr.write(n, self.theta.tensors[n])
-                        if n not in sent:
-                            mw.write(n, self.momentum[n])
-                            sent.add(n)
+                    for n, i0, j0, stats in ordered_map(step_segment, items(), lanes()):
+                        for st in stats:  # the screen's statistics of the last delta, in the model's order
+                            acc.stats.take(w, st)
+                        # each segment to the writers as soon as it is stepped: the disk starts on the first one
+                        wr.write_part(n, self.theta.tensors[n].view(-1)[i0:j0])
+                        if (n, i0) not in sent:
+                            mw.write_part(n, self.momentum[n].view(-1)[i0:j0])
+                            sent.add((n, i0))
+                    if last is not None:  # every byte read: the file's checksum against its sidecar's
+                        try:
+                            sha = rd.finish()
+                        except (ValueError, OSError) as e:
+                            raise _BadDelta(str(e)) from None
+                        if sha != meta["sha256"]:
+                            raise _BadDelta(CHECKSUM_DIFFERS)
                 nbytes.append(wr.nbytes)
                 return {WEIGHTS: wr.digest}
             publish_dir(self.paths.global_dir(r + 1), fill)
+        if last is not None:
+            acc.accepted(w, meta, a, observe)
         return nbytes[-1] + mw.nbytes
+
+    def _step_last(self, r: int, acc: Accumulator, lr: float | None, last: tuple[int, dict]) -> dict | None:
+        """step() with the round's last delta read inside it (see step)."""
+        w, meta = last
+        rd = acc.open_delta(w, meta)  # size and header: RejectedDelta before anything is touched
+        try:
+            written = self._step_full(r, acc, lr, (w, meta, rd))
+        except BaseException as e:
+            rd.close()
+            acc.bytes_read += rd.nbytes
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: the process ends (nothing committed)
+                raise
+            reason = acc.bad_delta_reason(w, meta, e) if isinstance(e, _BadDelta) else None
+            self.roll_back(r)
+            if acc.stats is not None:
+                acc.stats.forget(w)
+            acc.drop(set())  # the sum of the accepted files, rebuilt without w's pieces
+            if reason is not None:
+                raise RejectedDelta(w, reason) from None
+            log.info("round %d: the step with worker %d's delta read inside it failed (%s); adding that delta first "
+                     "and stepping again", r, w, e if not isinstance(e, _FillAgain) else "a transient error")
+            return None
+        rd.close()
+        acc.bytes_read += rd.nbytes
+        self.theta.round = r + 1
+        return {"checkpoint": True, "codec": "none", "bytes_written": written}
+
+    def can_take_last(self, acc: Accumulator) -> bool:
+        """Whether step() can read the round's last delta itself (`last`): no codec either way, one fragment, the
+        delta's tensors in the model's order one file tensor each."""
+        return (self.codec is None and not self.sparse and not acc.codec.quantised and list(acc.shapes) == self.names
+                and all(list(acc.codec.specs(n, tuple(s))) == [n] for n, s in acc.shapes.items()))
+
+    def roll_back(self, r: int) -> None:
+        """Back to θ_r and m_r, from round r's files (committed), after a step of round r that is not committed:
+        what it wrote is removed."""
+        self.discard_uncommitted(r)
+        self.theta.load_checkpoint(r)
+        self._load_state(r)
 
     def _write_update(self, path: Path, stored: dict[str, torch.Tensor], r: int, step_round: int,
                       like: str | None = None) -> tuple[str, int]:
@@ -282,11 +381,26 @@ class OuterMaster:
                 wr.write(k, stored[k])
         return wr.digest, wr.nbytes
 
-    def step(self, r: int, acc: Accumulator, lr: float | None = None) -> dict:
+    def step(self, r: int, acc: Accumulator, lr: float | None = None, last: tuple[int, dict] | None = None
+             ) -> dict | None:
         """Compute round r + 1 from round r's accepted deltas and write its files (not yet committed: the caller
-        writes COMMITTED with the returned fields {update_sha256, theta_sha256, checkpoint, bytes_written})."""
+        writes COMMITTED with the returned fields {update_sha256, theta_sha256, checkpoint, bytes_written}).
+
+        `last` = (w, its sidecar, checked) — only where can_take_last(acc): the round's last delta, not yet added,
+        is read, checked and added piece by piece inside the step, just before each piece is stepped, so the disk
+        writes θ_{r+1} while that delta is still being read (the tail after the last arrival: docs/benchmarks.md,
+        "Outer step"). It is then in `acc` like every other. When it turns out bad (a NaN, a checksum that differs
+        from its sidecar's: found after some of θ_{r+1} was computed), nothing of the step stays: θ_r and m_r are
+        read back from round r's files, the sum is rebuilt without it, and RejectedDelta is raised (the caller goes
+        on without it, as with any rejected delta). Any other failure inside (a transient error that would restart
+        the folder) is rolled back the same way and returns None: the caller adds the delta the ordinary way and
+        steps again. Returns the fields otherwise."""
         if self.theta.round != r:
             raise ProtocolError(f"the master θ is at round {self.theta.round}, the step needs round {r}")
+        if last is not None:
+            if not self.can_take_last(acc):
+                raise ValueError("step(last=...) needs can_take_last(acc)")
+            return self._step_last(r, acc, lr, last)
         written, fields = 0, {}
         if self.sparse:
             from train.exchange.sparse import sparse_step
