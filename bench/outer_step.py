@@ -9,7 +9,9 @@ sha256) and added to a float64 sum when it is published, while the other workers
 the last arrival — that delta, the screen's decision, the outer step, writing θ_{r+1} (+ momentum) and the commit —
 should not grow with N.
 
-For each N, in the same run, on the same disk, the measurements interleaved repeat by repeat (medians reported):
+For each N, in the same run, on the same disk, after one round that is not counted (--warmup 0: none; the first
+round of a process faults in its memory, 2-3x slower on a VM), the measurements interleaved repeat by repeat (medians
+reported):
   tail        the last arrival -> committed: add the last delta, screen, OuterMaster.step, COMMITTED — without a
               codec the last delta is read inside the step and the screen decides after it, as the coordinator
               does (train/diloco/coordinator.py: step_with_last) (the N−1
@@ -250,6 +252,8 @@ def main() -> None:
     ap.add_argument("--codec", default="none", help="outer.compression of the run (none = fp32 deltas)")
     ap.add_argument("--small", action="store_true", help="a tiny model, to check the script quickly")
     ap.add_argument("--no-at-end", action="store_true", help="skip the reduce-at-the-end comparison (faster)")
+    ap.add_argument("--warmup", type=int, default=1, choices=(0, 1),
+                    help="one round first, not counted (default 1: the process's first round faults in its memory)")
     ap.add_argument("--dir", default=None, help="where to put the files (default: a temp dir on /tmp's disk)")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -264,6 +268,10 @@ def main() -> None:
             worker = Worker(cfg, paths, model, names, theta)
             momentum = steady_momentum(names, theta)
             tails, ends, pubs, bws = [], [], [], []
+            if args.warmup:  # not counted: the process's first rounds fault in fresh memory (the reader's buffers,
+                # the sums, θ) — on this VM 2-3x the steady state; a coordinator pays that once, not every round
+                w0 = one_round(cfg, paths, n, at_end=False, worker=worker, momentum=momentum)
+                print(f"  warm-up (not counted): tail {w0['s']:.2f}s, load {w0['load_s']:.2f}s", flush=True)
             for i in range(args.repeats):  # interleaved: each repeat measures everything, the floor included
                 tails.append(one_round(cfg, paths, n, at_end=False, worker=worker, momentum=momentum))
                 if not args.no_at_end:
