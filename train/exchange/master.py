@@ -235,7 +235,7 @@ class OuterMaster:
         for n in self.names:
             if n not in had:
                 self.momentum[n] = torch.empty(self.shapes[n], dtype=torch.float32)
-        # segments of up to SEGMENT values, stepped on the lanes; a tensor goes to the writers when all are done
+        # segments of up to SEGMENT values, stepped on the lanes, each to the writers as soon as it is stepped
         segments = [(n, i, min(numel[n], i + SEGMENT)) for n in self.names for i in range(0, max(1, numel[n]), SEGMENT)]
         done: set[tuple[str, int]] = set()  # (tensor, first value) of the segments stepped (publish_dir may retry)
         local = threading.local()  # each lane's buffer for the mean's piece, overwritten by the step
