@@ -59,12 +59,13 @@ def corrupt(kind: str, theta_r: dict, params: dict, r: int, w: int) -> dict:
 _write_delta = worker_mod.write_delta
 
 
-def write_delta(path, names, theta_r, params, codec, r, w, residual):
+def write_delta(path, names, theta_r, params, codec, r, w, *args, **kwargs):
+    """The worker's write_delta, whatever else it is passed (residual, phases, like: passed on as they come)."""
     kind = bad_kind(r, w)
     if kind in KINDS:
         worker_mod.log.warning("soak: round %d: publishing a bad delta on purpose (%s)", r, kind)
         params = corrupt(kind, theta_r, params, r, w)
-    return _write_delta(path, names, theta_r, params, codec, r, w, residual)
+    return _write_delta(path, names, theta_r, params, codec, r, w, *args, **kwargs)
 
 
 worker_mod.write_delta = write_delta

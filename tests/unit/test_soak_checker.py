@@ -56,3 +56,22 @@ def test_replay_passes_and_tampering_fails(tmp_path):
     (run / "rounds" / "r000001" / "COMMITTED").write_text(json.dumps({"workers": [0], "late": {}}))
     bad.poll()
     assert any("rewritten" in v for v in bad.violations)
+
+
+def test_the_soak_worker_passes_on_whatever_the_worker_gives_write_delta(monkeypatch):
+    """bench/soak_worker.py wraps the worker's write_delta: every parameter the real one takes reaches it (a wrapper
+    that lagged behind a new keyword made every soak worker exit at its first delta)."""
+    import importlib
+    import inspect
+
+    import train.diloco.worker as worker_mod
+
+    real = worker_mod.write_delta
+    monkeypatch.setattr(worker_mod, "write_delta", real)  # importing soak_worker replaces it: put back after
+    monkeypatch.delenv("SOAK_BAD_DELTAS", raising=False)
+    sw = importlib.import_module("soak_worker")
+    seen = {}
+    monkeypatch.setattr(sw, "_write_delta", lambda *a, **k: seen.update(args=a, kwargs=k) or "written")
+    extra = {name: object() for name in list(inspect.signature(real).parameters)[7:]}  # after (path, ..., r, w)
+    assert extra and sw.write_delta("p", ["a"], {}, {}, "codec", 3, 1, **extra) == "written"
+    assert seen["args"] == ("p", ["a"], {}, {}, "codec", 3, 1) and seen["kwargs"] == extra
