@@ -126,20 +126,12 @@ class Accumulator:
         `late_weight`: the delta is w's late one of round r - 1, folded in with that factor on its weight."""
         late = late_weight is not None
         f = self.paths.delta_file(self.r - 1 if late else self.r, w)
-        a = (float(meta["tokens"]) if self.token_weighted else 1.0) * (late_weight if late else 1.0)
+        a = self.weight_of(meta) * (late_weight if late else 1.0)
         key = w if self.stats is not None and not late and observe else None
         ph = self.phases
-        groups = [(n, list(self.codec.specs(n, tuple(s)))) for n, s in self.shapes.items()]
         touched = False
+        rd = self.open_delta(w, meta, late=late)  # size and header checked before a value is used
         try:
-            rd = PipelinedReader(f, groups, phases=ph, like=meta["sha256"])
-        except (ValueError, OSError) as e:
-            raise RejectedDelta(w, _whole_file_reason(self, f, meta) or f"unreadable delta file ({e})")
-        try:
-            with ph("checks"):  # before a value is used: size and header, from the reader's own open (one per delta)
-                if rd.size != meta["bytes"]:
-                    raise ValueError(f"file has {rd.size} bytes, sidecar says {meta['bytes']} (truncated?)")
-                self.codec.check_header(rd.header, self.shapes, rd.metadata)
             flat = None if self.codec.quantised else rd.flat(list(self.shapes))
             if flat is not None:  # a small file of one dtype in the model's order: all of it as one tensor
                 with ph("checks"):
@@ -267,19 +259,20 @@ class Accumulator:
         """An on-time delta's weight a_w (its tokens, or 1 without token weighting)."""
         return float(meta["tokens"]) if self.token_weighted else 1.0
 
-    def open_delta(self, w: int, meta: dict) -> PipelinedReader:
-        """Worker w's delta of this round opened for reading tensor by tensor, its size and header checked (as add
-        checks them); RejectedDelta otherwise."""
-        f = self.paths.delta_file(self.r, w)
+    def open_delta(self, w: int, meta: dict, late: bool = False) -> PipelinedReader:
+        """Worker w's delta of this round (`late`: its late one of round r - 1) opened for reading tensor by tensor,
+        its size and header checked from the reader's own open (one per delta); RejectedDelta otherwise."""
+        f = self.paths.delta_file(self.r - 1 if late else self.r, w)
         groups = [(n, list(self.codec.specs(n, tuple(s)))) for n, s in self.shapes.items()]
         try:
             rd = PipelinedReader(f, groups, phases=self.phases, like=meta["sha256"])
         except (ValueError, OSError) as e:
             raise RejectedDelta(w, _whole_file_reason(self, f, meta) or f"unreadable delta file ({e})")
         try:
-            if rd.size != meta["bytes"]:
-                raise ValueError(f"file has {rd.size} bytes, sidecar says {meta['bytes']} (truncated?)")
-            self.codec.check_header(rd.header, self.shapes, rd.metadata)
+            with self.phases("checks"):
+                if rd.size != meta["bytes"]:
+                    raise ValueError(f"file has {rd.size} bytes, sidecar says {meta['bytes']} (truncated?)")
+                self.codec.check_header(rd.header, self.shapes, rd.metadata)
         except (CodecError, ValueError, OSError) as e:
             rd.close()
             self.bytes_read += rd.nbytes
