@@ -28,7 +28,9 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_ctrl_c_stops_all_workers_and_rerun_resumes(write_config, tmp_path):
-    cfg_path = write_config(outer={"rounds": 40, "local_steps": 3})
+    # far more rounds than it can train before the Ctrl-C lands, however fast the box: the signal, not the speed,
+    # ends the first run (with 40 rounds a fast box finished them before the test had read round 1)
+    cfg_path = write_config(outer={"rounds": 100_000, "local_steps": 3})
     paths = DiLoCoPaths(tmp_path / "runs" / "t")
     cmd = script_cmd("diloco_sim.py", "--config", str(cfg_path))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
