@@ -195,6 +195,9 @@ def test_bad_compressed_delta_is_rejected_and_theta_untouched(tmp_path, case, re
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+# the long tier (CI runs it), as its topk twin below: a killed worker's restart is test_elastic.py's (default tier),
+# int8 test_int8_run_keeps_one_theta..., the delayed step test_kill.py's overlap restart
+@pytest.mark.long
 def test_int8_delayed_overlap_with_a_worker_killed_and_restarted_completes(tmp_path):
     """The composed run (docs/overlap.md, docs/elastic.md): int8 both ways + the one-round-delayed outer step; a
     worker is SIGKILLed mid-run, the simulator restarts it, it resumes from its own state and the run finishes

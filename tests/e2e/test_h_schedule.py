@@ -11,7 +11,8 @@ from train.exchange.store import DiLoCoPaths
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: runs, kills, reruns on 2 busy cores
 
 
-@pytest.mark.parametrize("overlap", ["none", "delayed"])
+# delayed in the long tier (CI runs it), beside the killed run with the delayed step below
+@pytest.mark.parametrize("overlap", ["none", pytest.param("delayed", marks=pytest.mark.long)])
 def test_h_schedule_trains_each_round_its_h_and_reads_no_window_twice(write_config, tmp_path, overlap):
     sched, rounds, batch, seq = [[0, 2], [2, 5], [3, 3]], 5, 8, 32
     H = [2, 2, 5, 3, 3]

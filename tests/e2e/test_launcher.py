@@ -320,6 +320,9 @@ def test_a_host_that_fails_to_start_stops_the_others(sshd, tmp_path):
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 @pytest.mark.skipif(not (REPO / "edt.py").is_file() or not (REPO / "train" / "edt" / "worker.py").is_file(),
                     reason="the EDT strategy (edt.py, train/edt/worker.py) is not in this checkout")
+# the long tier (CI runs it): the launcher over SSH is test_launch_status_logs_stop_resume_over_ssh's (DiLoCo, default
+# tier), EDT's processes test_edt_e2e.py's; this is the two together
+@pytest.mark.long
 def test_edt_run_over_ssh(sshd, tmp_path):
     c = Cluster(sshd, tmp_path, _machines(sshd), tiny_config(tmp_path / "runs", edt={"max_generations": 2}))
     paths = DiLoCoPaths(tmp_path / "runs" / "t")

@@ -130,7 +130,9 @@ def test_eio_on_0_2_percent_of_calls_every_process_exits_0_with_the_same_model(f
           f"the same model")
 
 
-@pytest.mark.parametrize("sim,project", [("diloco_sim.py", "mine-diloco"), ("edt_sim.py", "mine-edt")])
+# edt_sim.py in the long tier (CI runs it): the same resolution of a relative config, the other simulator
+@pytest.mark.parametrize("sim,project", [("diloco_sim.py", "mine-diloco"),
+                                         pytest.param("edt_sim.py", "mine-edt", marks=pytest.mark.long)])
 def test_simulators_run_from_a_users_folder_with_a_relative_config(sim, project, tmp_path):
     """`cd myexp && python /path/to/<sim> --config my.json`: every process reads myexp/my.json (its own project),
     relative paths in it resolve next to it."""

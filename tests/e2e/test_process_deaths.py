@@ -252,6 +252,9 @@ def test_sigkill_the_coordinator_the_workers_say_so_and_the_run_finishes(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
+# the long tier (CI runs it): the simulator's restart of a killed supervisor and what it says are
+# test_the_simulator_restarts_a_killed_supervisor_and_says_what_became_of_its_child's (default tier); here in a run
+@pytest.mark.long
 def test_sigkill_a_supervisor_the_simulator_restarts_it_and_the_run_finishes(tmp_path):
     """SIGKILL the supervisor of worker 1 while worker 1 trains round 1: the worker stops with it (parent-death
     signal), the simulator says exactly that, restarts both, the worker resumes from its own state and the run
