@@ -201,3 +201,47 @@ def test_the_sparse_mean_adds_only_what_was_sent_and_gives_the_dense_sum_bit_for
     want = (dense / float(sum(weights))).to(torch.float32).reshape(shape)
     got = acc.mean("t")
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("weights", [(1, 1, 1), (1000, 7, 123456), (1000, 38.5, 77)])
+@pytest.mark.parametrize("range_", [100, 1 << 18])
+def test_step_into_gives_the_dense_step_bit_for_bit(weights, range_, monkeypatch):
+    """SparseAccumulator.step_into (θ_{r+1} range by range, the float64 sum of a range at a time) against
+    sparse_step(θ, mean()) — the way every copy stepped before — on θ with ±0.0 and tiny values, deltas whose sent
+    positions overlap, ranges smaller than a chunk and than the tensor (some with nothing sent: density 0.02 of
+    chunks of 512) and one range for all; into a new tensor (θ untouched) and in place. A fractional weight (a
+    late delta) is refused with nothing written (the caller steps the dense way)."""
+    import math
+
+    from train.exchange import sparse
+    from train.exchange.sparse import SparseAccumulator
+
+    monkeypatch.setattr(sparse, "RANGE", range_)
+    c = SparseCodec(density=0.02, chunk=512, values="int8")
+    shapes = {"a": (37, 29), "b": (3000,)}
+    g = torch.Generator().manual_seed(5)
+    acc = SparseAccumulator.__new__(SparseAccumulator)
+    acc.shapes, acc.codec, acc.stored = shapes, c, {}
+    for w, a in enumerate(weights):
+        stored = {}
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+            stored.update(c.encode(name, x.reshape(shape)))
+        acc.stored[(0, w)] = (float(a), stored)
+    fractional = any(a != int(a) for a in weights)
+    for name, shape in shapes.items():
+        theta = torch.randn(shape, generator=g)
+        theta.view(-1)[:3] = torch.tensor([0.0, -0.0, 1e-38])
+        before = theta.clone()
+        want = sparse_step(theta, acc.mean(name), 0.7)
+        out = torch.full(shape, 9.0)
+        assert acc.step_into(name, theta, 0.7, out) is not fractional
+        assert torch.equal(theta.view(torch.int32), before.view(torch.int32))  # θ itself untouched
+        if fractional:
+            assert (out == 9.0).all()
+            continue
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), name
+        assert acc.step_into(name, theta, 0.7, theta)  # in place (the coordinator's own θ)
+        assert torch.equal(theta.view(torch.int32), want.view(torch.int32)), name
+        assert not torch.equal(want, before)

@@ -113,6 +113,47 @@ class Codec:
         vals = torch.nn.functional.pad(codes.to(torch.float32), (0, nb * B - n)).view(nb, B)
         return (vals * scale.unsqueeze(1)).reshape(-1)[:n].reshape(shape)
 
+    @torch.no_grad()
+    def round_trip(self, name: str, v: torch.Tensor, buf: torch.Tensor | None = None
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(encode(name, v), decode of it) for a flat float32 piece `v` — the same bits as encode then decode
+        (tests/unit/test_codec.py) in fewer passes and no padded copies: the block's absmax from one min/max pass,
+        the codes rounded in a float32 buffer (`buf`, at least v.numel() values rounded up to a block: reused, no
+        fresh pages), then the codes put back into it as floats and multiplied by the scales in place (decode's
+        codes.float() · scale). The decoded values are a view of `buf`. A cast codec: encode and decode as they
+        are. A block codec's piece holds whole blocks but for its last (the caller cuts a tensor on block
+        boundaries)."""
+        if not self.quantised:
+            stored = self.encode(name, v)
+            return stored, self.decode(name, stored, tuple(v.shape))
+        n, B, q = v.numel(), self.block, self.qmax
+        nb = -(-n // B)
+        if buf is None:
+            buf = torch.empty(nb * B, dtype=torch.float32)
+        out = buf[:nb * B].view(nb, B)
+        full = n // B
+        vals = out[:full]
+        if n % B:  # the last block, short: padded with zeros as encode() pads it
+            out[full].zero_()
+            out[full, :n - full * B].copy_(v[full * B:])
+        mn, mx = torch.aminmax(v[:full * B].view(full, B), dim=1)
+        absmax = torch.maximum(mx, mn.neg_()).abs_()  # max |x|, +0.0 for a block of zeros (as abs().amax())
+        if n % B:
+            absmax = torch.cat([absmax, out[full].abs().amax().reshape(1)])
+        scale = absmax.div_(q)
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        torch.mul(v[:full * B].view(full, B), inv[:full].unsqueeze(1), out=vals)
+        if n % B:
+            out[full].mul_(inv[full])
+        out.round_().clamp_(-q, q)
+        codes = out.view(-1)[:n].to(torch.int8)
+        out.view(-1)[:n].copy_(codes)  # decode's codes.float(): −0.0 and a NaN of 0 · inf (a scale so small that its
+        # inverse overflows) are what their int8 code says, as decode() sees them
+        seen = out.mul_(scale.unsqueeze(1)).view(-1)[:n]
+        if self.name == "int4":
+            codes = pack_int4(codes)
+        return {name: codes, name + SCALE: scale}, seen
+
     # -- checking a file written by someone else -----------------------------------------------------------------------
     def check_header(self, header: Mapping[str, dict], expect_shapes: Mapping[str, tuple], metadata: Mapping[str, str],
                      ) -> None:

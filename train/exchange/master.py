@@ -330,6 +330,78 @@ class OuterMaster:
             acc.accepted(w, meta, a, observe)
         return nbytes[-1] + mw.nbytes
 
+    def streams_coded(self, r: int) -> bool:
+        """Whether round r's step with a dense codec (int8, int4, a cast) can run segment by segment
+        (_step_coded): one fragment, every tensor whole, and segments that end on the codec's blocks."""
+        c = self.codec
+        return (c is not None and not self.sparse and self.frags.pieces(r) == self.names
+                and (not c.quantised or SEGMENT % (2 * c.block) == 0))
+
+    def _step_coded(self, r: int, acc: Accumulator, lr: float | None) -> tuple[str, int, str]:
+        """The step with a dense codec, in segments of SEGMENT values on every core's lane, each one taken all the
+        way while it is in cache: the mean's piece, the outer step (θ* and m_{r+1}), the target θ* − θ_r plus the
+        residual, its encoding and decoding, the new residual, θ_{r+1} = θ_r + decode(u) in place; each encoded
+        segment goes to the update file's writer at once (a tensor's scales after its codes, as the file stores
+        them), and θ_{r+1}'s checksum is taken segment by segment. Element by element the same IEEE operations as
+        _step + θ + decode(u) (the codec's blocks never straddle a segment: streams_coded), so the same bits
+        (tests/unit/test_master_coded.py). Returns (the update file's checksum, its bytes, θ_{r+1}'s checksum)."""
+        from train.core import digest
+        from train.core.tensorio import tensor_bytes
+        from train.exchange.codec import SCALE
+
+        oc, ph, codec, res = self.oc, self.phases, self.codec, self.residual
+        lr = outer_lr_at(r, oc) if lr is None else lr
+        numel = {n: math.prod(self.shapes[n]) for n in self.names}
+        had_m, had_e = set(self.momentum), set(res.error)
+        for n in self.names:
+            if n not in had_m:
+                self.momentum[n] = torch.empty(self.shapes[n], dtype=torch.float32)
+            if n not in had_e and not codec.lossless:
+                res.error[n] = torch.empty(self.shapes[n], dtype=torch.float32)
+        segments = [(n, i, min(numel[n], i + SEGMENT)) for n in self.names for i in range(0, max(1, numel[n]), SEGMENT)]
+        decay = res.decay
+        local = threading.local()  # each lane's buffer for the codes and the decoded values
+
+        def step_segment(seg) -> tuple[str, int, int, dict]:
+            n, i0, j0 = seg
+            theta, m = self.theta.tensors[n].view(-1)[i0:j0], self.momentum[n].view(-1)[i0:j0]
+            with ph("outer step, encode the update (+ error feedback)"):
+                if getattr(local, "buf", None) is None:  # this lane's: reused, no fresh pages per segment
+                    local.buf, local.g, local.new = (torch.empty(SEGMENT, dtype=torch.float32) for _ in range(3))
+                g = acc.mean_piece(n, i0, j0, out=local.g)
+                new = local.new[:j0 - i0].copy_(theta)
+                b = outer_step_piece(new, g, m if n in had_m else None, lr, oc.momentum, oc.nesterov)
+                if n not in had_m:
+                    m.copy_(b)
+                v = new.sub_(theta)  # the target θ* − θ_r
+                if n in had_e:
+                    e = res.error[n].view(-1)[i0:j0]
+                    v.add_(e if decay == 1.0 else e * decay)
+                stored, seen = codec.round_trip(n, v, local.buf)
+                if not codec.lossless:
+                    torch.sub(v, seen, out=res.error[n].view(-1)[i0:j0])
+                theta.add_(seen)
+            return n, i0, j0, stored
+
+        specs: dict = {}
+        for n in self.names:
+            specs.update(codec.specs(n, tuple(self.shapes[n])))
+        th = digest.Hasher()
+        with intra_op_threads(1), \
+                StreamingWriter(self.paths.update_file(r + 1), specs, {"round": str(r + 1), **codec.metadata()},
+                                phases=ph) as wr:
+            scales: list[torch.Tensor] = []
+            for n, i0, j0, stored in ordered_map(step_segment, segments, lanes()):
+                wr.write_part(n, stored[n].reshape(-1))
+                with ph("θ checksum"):
+                    th.update(tensor_bytes(self.theta.tensors[n].view(-1)[i0:j0]))
+                if codec.quantised:
+                    scales.append(stored[n + SCALE])
+                    if j0 == numel[n]:
+                        wr.write(n + SCALE, torch.cat(scales) if len(scales) > 1 else scales[0])
+                        scales = []
+        return wr.digest, wr.nbytes, th.text()
+
     def _step_last(self, r: int, acc: Accumulator, lr: float | None, last: tuple[int, dict]) -> dict | None:
         """step() with the round's last delta read inside it (see step)."""
         w, meta = last
@@ -409,25 +481,33 @@ class OuterMaster:
             fields["sparse_step"] = {"lr": lr, "token_weighted": bool(self.oc.token_weighted)}
             with self.phases("sums of the sparse deltas, outer step"):
                 stored, new_theta = {}, dict(self.theta.tensors)
-                for n in self.frags.pieces(r):
-                    self.frags.put(new_theta, n, sparse_step(self.frags.get(self.theta.tensors, n), acc.mean(n), lr))
+
+                def step_piece(n: str) -> None:  # the master's θ is its own: stepped in place (step_into)
+                    t = self.frags.get(self.theta.tensors, n)
+                    if not (t.is_contiguous() and acc.step_into(n, t, lr, t)):
+                        self.frags.put(new_theta, n, sparse_step(t, acc.mean(n), lr))
+                with intra_op_threads(1):
+                    for _ in ordered_map(step_piece, self.frags.pieces(r), lanes()):
+                        pass
         elif self.codec is None:  # θ_{r+1} and the momentum, computed and written together
             written += self._step_full(r, acc, lr)
             self.theta.round = r + 1
             fields.update(checkpoint=True, codec="none", bytes_written=written)
             return fields
+        elif self.streams_coded(r):  # θ_{r+1} in place, the update written as it is encoded, θ's checksum taken
+            fields["update_sha256"], nbytes, fields["theta_sha256"] = self._step_coded(r, acc, lr)
+            written += nbytes
         else:
             with self.phases("outer step, encode the update (+ error feedback)"):
                 stored, new_theta = self._step(r, acc, lr)
-        if self.codec is None or self.sparse:
-            self.theta.tensors = new_theta
-        else:
             sha, nbytes = self._write_update(self.paths.update_file(r + 1), stored, r + 1, r)
             written += nbytes
             fields["update_sha256"] = sha
             with self.phases("θ + decoded update"):
                 for n in self.frags.pieces(r):
                     self.frags.put(self.theta.tensors, n, self.frags.get(self.theta.tensors, n).add(self._seen[n]))
+        if self.sparse:
+            self.theta.tensors = new_theta
         self.theta.round = r + 1
         checkpoint = self.is_checkpoint_round(r + 1)
         if checkpoint:
@@ -441,7 +521,8 @@ class OuterMaster:
                 for k, v in state.items():
                     mw.write(k, v)
             written += mw.nbytes
-        if self.codec is not None:  # without a codec every copy loads the file itself: its MANIFEST has the sha256
+        if self.codec is not None and "theta_sha256" not in fields:  # (without a codec every copy loads the file
+            # itself: its MANIFEST has the sha256)
             with self.phases("θ checksum"):
                 fields["theta_sha256"] = theta_checksum(self.theta.tensors, self.names)
         fields.update(checkpoint=checkpoint, codec=self.codec.name if self.codec else "none", bytes_written=written)

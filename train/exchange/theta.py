@@ -26,6 +26,7 @@ from train.core.model import WEIGHTS
 from train.core.store import read_json
 from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import SequentialReader, read_header, tensor_bytes
+from train.core.threads import intra_op_threads, lanes, ordered_map
 from train.exchange.codec import Codec, CodecError
 
 
@@ -173,9 +174,16 @@ class GlobalTheta:
             raise ProtocolError(f"round {k}: a delta the commit accepted does not check here ({e}): the run's "
                                 f"files changed after the commit") from None
         self.bytes_read += acc.bytes_read
-        for n in self.frags.pieces(k - 1):
-            new = sparse_step(self.frags.get(self.tensors, n), acc.mean(n), float(step["lr"]))
-            self.frags.put(self.tensors, n, new)
+        lr = float(step["lr"])
+
+        def step_piece(n: str) -> tuple[str, torch.Tensor]:
+            # into a new tensor: a worker may still hold θ_{k−1}'s (overlap's segment base)
+            t = self.frags.get(self.tensors, n)
+            new = torch.empty(t.shape, dtype=torch.float32)
+            return n, (new if acc.step_into(n, t, lr, new) else sparse_step(t, acc.mean(n), lr))
+        with intra_op_threads(1):
+            for n, new in ordered_map(step_piece, self.frags.pieces(k - 1), lanes()):
+                self.frags.put(self.tensors, n, new)
         self.round = k
         self.verify(k)
 
