@@ -168,3 +168,22 @@ def test_round_trip_gives_encode_then_decode_bit_for_bit(values, name, block, ze
         assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
         assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
     assert torch.equal(seen.view(torch.int32), want_seen.view(torch.int32))
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(floats, min_size=1, max_size=300), name=st.sampled_from(["int8", "int4", "bfloat16"]),
+       block=st.sampled_from([8, 16, 64]), data=st.data())
+def test_decode_range_is_decode_sliced_bit_for_bit(values, name, block, data):
+    """Codec.decode_range (pieces of a tensor decoded where they are added: the accumulator, θ + decode(u)) gives
+    decode()'s values of the range, bit for bit, for ranges starting on any block boundary and ending anywhere
+    after it, with and without a reused buffer."""
+    x = torch.tensor(values, dtype=torch.float32)
+    n = x.numel()
+    c = get_codec(name, block)
+    stored = c.encode("t", x)
+    whole = c.decode("t", stored, (n,))
+    i = data.draw(st.integers(0, (n - 1) // block)) * block
+    j = data.draw(st.integers(i + 1, n))
+    for buf in (None, torch.full((n + block,), 3.0)):
+        got = c.decode_range("t", stored, n, i, j, buf)
+        assert torch.equal(got.view(torch.int32), whole[i:j].view(torch.int32)), (i, j)

@@ -25,6 +25,7 @@ deltas: it loads θ_{r+1} or applies the coordinator's update (topk's fixed-orde
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -99,6 +100,23 @@ def read_checked_delta(acc, r: int, w: int, meta: dict) -> dict[str, torch.Tenso
     except (CodecError, ValueError) as e:
         raise RejectedDelta(w, str(e))
     return stored
+
+
+class _Decoded:
+    """A block-coded tensor's decoded values, made piece by piece as they are sliced (Codec.decode_range, into a
+    buffer of the lane's): what add_range reads as `dec[i:j]`, without a tensor-sized temporary."""
+
+    _local = threading.local()
+
+    def __init__(self, codec, name: str, stored: dict, n: int, phases):
+        self.codec, self.name, self.stored, self.n, self.phases = codec, name, stored, n, phases
+
+    def __getitem__(self, sl: slice) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < sl.stop - sl.start + self.codec.block:
+            buf = self._local.buf = torch.empty(max(CHUNK, sl.stop - sl.start) + self.codec.block)
+        with self.phases("decode"):
+            return self.codec.decode_range(self.name, self.stored, self.n, sl.start, sl.stop, buf)
 
 
 class Accumulator:
@@ -224,12 +242,14 @@ class Accumulator:
         piece (DeltaStats.chunk_stats, for the caller to take in order) on the way. Touches only sum[n]: the
         tensors of a delta can be added on different threads."""
         shape = self.shapes[n]
-        with self.phases("decode"):
-            if self.codec.quantised:  # block codes and scales: decoded per tensor (a tensor-sized temporary)
-                dec = self.codec.decode(n, stored, shape).reshape(-1)
-            else:  # a cast, decoded piece by piece below
-                dec = stored[n].reshape(-1)
         numel = math.prod(shape)
+        if not self.codec.quantised:  # a cast, decoded piece by piece below
+            dec = stored[n].reshape(-1)
+        elif CHUNK % self.codec.block == 0:  # block codes and scales: decoded piece by piece as add_range takes them
+            dec = _Decoded(self.codec, n, stored, numel, self.phases)
+        else:  # blocks that straddle add_range's pieces: decoded whole (a tensor-sized temporary)
+            with self.phases("decode"):
+                dec = self.codec.decode(n, stored, shape).reshape(-1)
         first = n not in self.sum
         if first:
             self.sum[n] = torch.empty(numel, dtype=torch.float64)

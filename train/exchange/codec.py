@@ -154,6 +154,30 @@ class Codec:
             codes = pack_int4(codes)
         return {name: codes, name + SCALE: scale}, seen
 
+    @torch.no_grad()
+    def decode_range(self, name: str, stored: Mapping[str, torch.Tensor], n: int, i: int, j: int,
+                     buf: torch.Tensor | None = None) -> torch.Tensor:
+        """Values i..j of decode(name, stored, (n,)) (flat float32; `i` on a block boundary), into `buf` (float32,
+        at least j − i values rounded up to a block) when given: the same products codes.float() · scale as
+        decode(), without a tensor-sized temporary. int4's codes are unpacked for the range only (two per byte:
+        `i` is even as a block boundary)."""
+        if not self.quantised:
+            return stored[name].reshape(-1)[i:j].to(torch.float32)
+        B = self.block
+        b0, b1 = i // B, -(-j // B)
+        codes = stored[name]
+        if self.name == "int4":
+            codes = unpack_int4(codes[i // 2:(j + 1) // 2], j - i)
+        else:
+            codes = codes[i:j]
+        m = j - i
+        out = torch.empty((b1 - b0) * B, dtype=torch.float32) if buf is None else buf[:(b1 - b0) * B]
+        out[:m].copy_(codes)
+        if m < out.numel():  # a short last block (its padding decodes to nothing that is returned)
+            out[m:].zero_()
+        scale = stored[name + SCALE][b0:b1].to(torch.float32)
+        return out.view(b1 - b0, B).mul_(scale.unsqueeze(1)).view(-1)[:m]
+
     # -- checking a file written by someone else -----------------------------------------------------------------------
     def check_header(self, header: Mapping[str, dict], expect_shapes: Mapping[str, tuple], metadata: Mapping[str, str],
                      ) -> None:
@@ -190,7 +214,8 @@ class Codec:
             s = stored[name + SCALE]
             if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
                 raise CodecError(f"{name}: scales are not finite and >= 0 (NaN/inf or negative)")
-            if self.name == "int8" and bool((stored[name] == -128).any()):
+            codes = stored[name]  # its least code, in one pass that makes no mask of the codes' size
+            if self.name == "int8" and codes.numel() and int(codes.min()) == -128:
                 raise CodecError(f"{name}: int8 code -128 is outside [-127, 127]")
         elif not all_finite(stored[name]):
             raise CodecError(f"{name}: non-finite values (NaN/inf)")

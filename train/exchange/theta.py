@@ -16,6 +16,8 @@ outer.checkpoint_every rounds, round 0 and the last round) and applies the updat
 """
 from __future__ import annotations
 
+import math
+import threading
 from pathlib import Path
 
 import torch
@@ -48,6 +50,13 @@ def read_update(paths: DiLoCoPaths, r: int, codec: Codec,
                 shapes: dict[str, tuple]) -> tuple[dict[str, torch.Tensor], int]:
     """The decoded update of round r ({name: float32}), checked against its codec and the commit record's checksum;
     returns (update, bytes read)."""
+    stored, nbytes = read_update_stored(paths, r, codec, shapes)
+    return {n: codec.decode(n, stored, tuple(s)) for n, s in shapes.items()}, nbytes
+
+
+def read_update_stored(paths: DiLoCoPaths, r: int, codec: Codec,
+                       shapes: dict[str, tuple]) -> tuple[dict[str, torch.Tensor], int]:
+    """read_update's file as stored (codes, scales), checked the same way, not decoded; returns (stored, bytes)."""
     f = paths.update_file(r)
     rec = read_json(paths.committed(r))
     try:
@@ -65,14 +74,15 @@ def read_update(paths: DiLoCoPaths, r: int, codec: Codec,
         rd.close()
     if rec.get("update_sha256") and sha != rec["update_sha256"]:
         raise ProtocolError(f"{f}: checksum differs from the commit record (torn or corrupt update)")
-    out = {}
-    for n, s in shapes.items():
+    for n in shapes:
         try:
             codec.check_values(n, stored)
         except CodecError as e:
             raise ProtocolError(f"{f}: {e}") from None
-        out[n] = codec.decode(n, stored, tuple(s))
-    return out, f.stat().st_size
+    return stored, f.stat().st_size
+
+
+PIECE = 1 << 20  # values of θ + decode(u) one lane adds at a time (rounded down to whole blocks)
 
 
 class GlobalTheta:
@@ -191,10 +201,30 @@ class GlobalTheta:
         """θ_k = θ_{k−1} + decode(u_k), then check θ_k's checksum against the commit record."""
         if getattr(self.codec, "sparse", False):
             return self.apply_sparse(k)
-        u, nbytes = read_update(self.paths, k, self.codec, self.frags.shapes(k - 1))
+        shapes = self.frags.shapes(k - 1)
+        u, nbytes = read_update_stored(self.paths, k, self.codec, shapes)
         self.bytes_read += nbytes
+        # θ_{k−1} + decode(u) into new tensors (a worker may still hold θ_{k−1}'s: overlap's segment base), in
+        # pieces decoded where they are added (Codec.decode_range: the same bits as the whole tensor's decode), on
+        # the lanes
+        new = {n: torch.empty(tuple(shapes[n]), dtype=torch.float32) for n in shapes}
+        numel = {n: math.prod(shapes[n]) for n in shapes}
+        local = threading.local()
+
+        def add(piece: tuple[str, int, int]) -> None:
+            n, i, j = piece
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = torch.empty(PIECE + self.codec.block, dtype=torch.float32)
+            t = self.frags.get(self.tensors, n).reshape(-1)
+            torch.add(t[i:j], self.codec.decode_range(n, u, numel[n], i, j, buf), out=new[n].view(-1)[i:j])
+        size = PIECE - PIECE % self.codec.block if self.codec.quantised else PIECE  # whole blocks per piece
+        pieces = [(n, i, min(numel[n], i + size)) for n in shapes for i in range(0, max(1, numel[n]), size)]
+        with intra_op_threads(1):
+            for _ in ordered_map(add, pieces, lanes()):
+                pass
         for n in self.frags.pieces(k - 1):
-            self.frags.put(self.tensors, n, self.frags.get(self.tensors, n).add(u[n]))
+            self.frags.put(self.tensors, n, new[n])
         self.round = k
         self.verify(k)
 
