@@ -50,6 +50,9 @@ def test_make_specialists_resumes_and_reports(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
+# the long tier (CI runs it): training the specialists and their report are
+# test_make_specialists_resumes_and_reports' (default tier); here the script with --jobs 2 in spawned processes
+@pytest.mark.long
 def test_cli_fast_parallel_jobs(tmp_path):
     """scripts/make_specialists.py end to end: two specialists trained at once in spawned worker processes."""
     out = tmp_path / "cli"
