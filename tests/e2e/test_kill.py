@@ -74,25 +74,36 @@ def test_sigkill_simulator_at_random_moments_then_rerun_finishes(write_config, t
     _check_finished(paths, 6, 2, 4, 8, 32)
 
 
-def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_identically(tmp_path, monkeypatch):
-    """Deterministic version of a crash inside the commit: the reduce dies after writing some tensors."""
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_identically(tmp_path, monkeypatch, codec):
+    """Deterministic version of a crash inside the commit: the reduce dies after writing some tensors (int8: after
+    some segments' θ_{r+1}, momentum and residual were computed in place and their codes written)."""
     import train.exchange.master as master_mod
 
-    cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000}))
+    cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000},
+                                   outer={"compression": codec}))
+    if codec == "int8":  # segments of 256 values: the micro model's tensors span several
+        monkeypatch.setattr(master_mod, "SEGMENT", 256)
     co = Coordinator(cfg, progress=False)
     co.setup()
     paths = co.paths
     theta = load_tensors(paths.global_dir(0) / "model.safetensors")
     from train.core.store import PROTOCOL_VERSION, atomic_write_json
+    from train.exchange.protocol import write_delta
     for w in (0, 1):
-        d = {k: torch.full_like(v, 0.01 * (w + 1)) for k, v in theta.items()}
-        sha = save_streaming(paths.delta_file(0, w), d)
+        g = torch.Generator().manual_seed(w)
+        d = {k: torch.randn(v.shape, generator=g) * 0.01 for k, v in theta.items()}
+        if codec == "none":
+            sha = save_streaming(paths.delta_file(0, w), d)
+        else:  # as a worker writes it: θ_r − θ_w, encoded
+            sha = write_delta(paths.delta_file(0, w), list(theta), theta, {k: theta[k] - d[k] for k in theta},
+                              co.master.delta_codec, 0, w)["sha256"]
         off, n = co.layout.slice(0, w)  # the data slice the delta says it was trained on
         atomic_write_json(paths.delta_meta(0, w), {"protocol": PROTOCOL_VERSION, "round": 0, "worker": w,
                                                    "inner_steps": 5, "tokens": 100, "loss": 1.0, "sha256": sha,
                                                    "bytes": paths.delta_file(0, w).stat().st_size,
                                                    "data": {"segment": 0, "offset": off, "windows": n, "read": n}})
-    real = master_mod.outer_step_piece  # the no-codec step, piece by piece (train/exchange/master.py _step_full)
+    real = master_mod.outer_step_piece  # the step, piece by piece (train/exchange/master.py _step_full, _step_coded)
     calls = {"n": 0}
 
     def dying(*a, **k):
@@ -105,7 +116,7 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
     with pytest.raises(KeyboardInterrupt):
         co.run_round(0)
     assert paths.latest_committed() == 0 and not paths.committed(1).exists()
-    assert not paths.global_dir(1).exists()
+    assert not paths.global_dir(1).exists() and not paths.update_file(1).exists()
     monkeypatch.setattr(master_mod, "outer_step_piece", real)
     co.close()  # the crashed coordinator's process is gone, and its lock with it
 
@@ -113,15 +124,21 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
     co2 = Coordinator(cfg, progress=False)
     co2.setup()
     co2.run_round(0)
-    first = load_tensors(paths.global_dir(1) / "model.safetensors")
+    written = paths.global_dir(1) / "model.safetensors" if codec == "none" else paths.update_file(1)
+    first, first_bytes = load_tensors(written), written.read_bytes()
+    rec = read_json(paths.committed(1))
     paths.committed(1).unlink()
     co2.close()
     co3 = Coordinator(cfg, progress=False)
     co3.setup()
     co3.run_round(0)
-    again = load_tensors(paths.global_dir(1) / "model.safetensors")
-    assert all(torch.equal(first[k], again[k]) for k in first)
-    verify_manifest(paths.global_dir(1))
+    again = load_tensors(written)
+    assert all(torch.equal(first[k], again[k]) for k in first) and written.read_bytes() == first_bytes
+    rec2 = read_json(paths.committed(1))
+    keys = ("update_sha256", "theta_sha256")
+    assert [rec2.get(k) for k in keys] == [rec.get(k) for k in keys]
+    if codec == "none":
+        verify_manifest(paths.global_dir(1))
     assert not list(paths.rounds.rglob(".*tmp*"))
 
 
