@@ -245,3 +245,28 @@ def test_step_into_gives_the_dense_step_bit_for_bit(weights, range_, monkeypatch
         assert acc.step_into(name, theta, 0.7, theta)  # in place (the coordinator's own θ)
         assert torch.equal(theta.view(torch.int32), want.view(torch.int32)), name
         assert not torch.equal(want, before)
+
+
+def test_the_screen_statistics_from_the_sent_values_are_the_dense_decodes():
+    """SparseAccumulator.sparse_stats against DeltaStats.chunk_stats of the dense decoded tensor: the same sample
+    bit for bit (+0.0 where nothing was sent), the same squared norm up to the order of its float64 additions."""
+    import math
+
+    from train.exchange.screen import DeltaStats
+    from train.exchange.sparse import SparseAccumulator
+
+    c = SparseCodec(density=0.05, chunk=64, values="2bit")
+    shapes = {"a": (370, 290), "b": (30001,)}
+    stats = DeltaStats(shapes, 256)  # 4096 sampled values: every 33rd
+    assert stats.stride > 1
+    acc = SparseAccumulator.__new__(SparseAccumulator)
+    acc.shapes, acc.codec, acc.stats = shapes, c, stats
+    g = torch.Generator().manual_seed(7)
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        stored = c.encode(name, torch.randn(n, generator=g).reshape(shape))
+        norm2, sample = acc.sparse_stats(name, stored, n)
+        want_norm2, want_sample = stats.chunk_stats(name, 0, c.decode(name, stored, shape))
+        assert torch.equal(sample.view(torch.int64), want_sample.view(torch.int64)), name
+        assert (sample != 0).any()
+        assert norm2 == pytest.approx(want_norm2, rel=1e-12)
