@@ -363,7 +363,6 @@ class SparseAccumulator:
             total += a
         return (acc / total).to(torch.float32).reshape(self.shapes[name])
 
-
     def step_into(self, name: str, theta: torch.Tensor, lr: float, out: torch.Tensor) -> bool:
         """sparse_step(theta, self.mean(name), lr) written into `out` (contiguous float32, theta's size; theta itself
         steps in place), range by range: each range's float64 sum from +0.0, every delta's values in it added in the
