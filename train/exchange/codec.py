@@ -129,7 +129,7 @@ class Codec:
         n, B, q = v.numel(), self.block, self.qmax
         nb = -(-n // B)
         if buf is None:
-            buf = torch.empty(nb * B, dtype=torch.float32)
+            buf = torch.empty(nb * B, dtype=torch.float32, device=v.device)
         out = buf[:nb * B].view(nb, B)
         full = n // B
         vals = out[:full]
@@ -271,8 +271,12 @@ class Residual:
         e = self.error.get(name)
         if e is not None:
             v = v + (e if self.decay == 1.0 else e * self.decay).to(v.device)
-        stored = self.codec.encode(name, v)
-        seen = self.codec.decode(name, stored, tuple(v.shape))
+        if isinstance(self.codec, Codec) and self.codec.quantised:  # encode + decode in one round trip (fewer passes)
+            stored, seen = self.codec.round_trip(name, v.reshape(-1))
+            seen = seen.reshape(v.shape)
+        else:
+            stored = self.codec.encode(name, v)
+            seen = self.codec.decode(name, stored, tuple(v.shape))
         if not self.codec.lossless:
             self.error[name] = (v - seen).to("cpu")
         return stored, seen
