@@ -82,6 +82,12 @@ def read_update_stored(paths: DiLoCoPaths, r: int, codec: Codec,
     return stored, f.stat().st_size
 
 
+def own_lanes() -> int:
+    """Lanes for a copy of θ brought forward: a worker's share of the cores is its torch threads (--threads; the
+    simulator gives each worker of a shared box one), so no more lanes than those (train/core/threads.py)."""
+    return max(1, min(lanes(), torch.get_num_threads()))
+
+
 PIECE = 1 << 20  # values of θ + decode(u) one lane adds at a time (rounded down to whole blocks)
 
 
@@ -191,8 +197,9 @@ class GlobalTheta:
             t = self.frags.get(self.tensors, n)
             new = torch.empty(t.shape, dtype=torch.float32)
             return n, (new if acc.step_into(n, t, lr, new) else sparse_step(t, acc.mean(n), lr))
+        n_lanes = own_lanes()
         with intra_op_threads(1):
-            for n, new in ordered_map(step_piece, self.frags.pieces(k - 1), lanes()):
+            for n, new in ordered_map(step_piece, self.frags.pieces(k - 1), n_lanes):
                 self.frags.put(self.tensors, n, new)
         self.round = k
         self.verify(k)
@@ -220,8 +227,9 @@ class GlobalTheta:
             torch.add(t[i:j], self.codec.decode_range(n, u, numel[n], i, j, buf), out=new[n].view(-1)[i:j])
         size = PIECE - PIECE % self.codec.block if self.codec.quantised else PIECE  # whole blocks per piece
         pieces = [(n, i, min(numel[n], i + size)) for n in shapes for i in range(0, max(1, numel[n]), size)]
+        n_lanes = own_lanes()
         with intra_op_threads(1):
-            for _ in ordered_map(add, pieces, lanes()):
+            for _ in ordered_map(add, pieces, n_lanes):
                 pass
         for n in self.frags.pieces(k - 1):
             self.frags.put(self.tensors, n, new[n])
