@@ -92,7 +92,7 @@ def test_a_killed_simulator_takes_its_supervised_worker_with_it_at_once(tmp_path
     parent = (f"import subprocess, sys, time\nsys.path.insert(0, {str(REPO)!r})\n"
               f"from train.launch.procs import die_with_parent, supervised_argv\n"
               f"p = subprocess.Popen(supervised_argv(sys.executable, [sys.executable, {str(child)!r}], 3, 'worker 0'),"
-              f" preexec_fn=die_with_parent, cwd={str(REPO)!r})\nprint(p.pid, flush=True)\ntime.sleep(120)\n")
+              f" preexec_fn=die_with_parent(), cwd={str(REPO)!r})\nprint(p.pid, flush=True)\ntime.sleep(120)\n")
     sim = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, start_new_session=True)
     sup = worker = None
     try:
@@ -107,6 +107,41 @@ def test_a_killed_simulator_takes_its_supervised_worker_with_it_at_once(tmp_path
         for pid in (sup, worker):
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_child_whose_parent_died_before_its_death_signal_was_set_does_not_start(tmp_path):
+    """The parent (a simulator) is SIGKILLed between the fork of a child (a supervisor, a coordinator) and the
+    child's prctl: no parent-death signal will ever come, so the child must not go on to run as an orphan (it would
+    hold the run's coordinator lock against the rerun). The child's preexec waits for the event, then takes the real
+    one."""
+    pidfile, ran, script = tmp_path / "child.pid", tmp_path / "ran", tmp_path / "parent.py"
+    script.write_text(f"""import os, subprocess, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from train.launch.procs import die_with_parent
+pre, me = die_with_parent(), os.getpid()
+
+def late():
+    open({str(pidfile)!r}, "w").write(str(os.getpid()))
+    while os.getppid() == me:
+        time.sleep(0.01)  # until the parent is gone
+    pre()
+
+subprocess.Popen([sys.executable, "-c", "import time; open({str(ran)!r}, 'w'); time.sleep(120)"], preexec_fn=late)
+time.sleep(120)
+""")
+    sim = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    child = None
+    try:
+        wait_until(lambda: pidfile.is_file() and pidfile.read_text(), 30, "the child forked", sim)
+        child = int(pidfile.read_text())
+        sim.send_signal(signal.SIGKILL)
+        sim.wait(10)
+        wait_until(lambda: not _running(child), 30, "the orphaned child gone")
+        assert not ran.exists()  # it exited in its preexec: the command never started
+    finally:
+        kill_all([sim])
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def _parent(pid: int) -> int:

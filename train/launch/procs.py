@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 from pathlib import Path
 
 from train.config import REPO_ROOT
@@ -138,7 +139,7 @@ def supervise(argv: list[str], max_restarts: int, name: str = "worker") -> tuple
         while True:
             Path(note).write_text("")
             try:
-                p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
+                p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(), env=env)
             except OSError as e:  # a wrong interpreter or command: the user's to fix, not a crash to retry
                 raise EnvironmentProblem(f"{name}: cannot run {argv[0]!r} ({e.strerror or e}): check the command "
                                          f"(the `python` of machines.json, the simulator's interpreter)") from None
@@ -160,13 +161,27 @@ def supervise(argv: list[str], max_restarts: int, name: str = "worker") -> tuple
         Path(note).unlink(missing_ok=True)
 
 
-def die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the simulator dies, even by SIGKILL (Linux prctl)."""
-    try:
+def die_with_parent() -> Callable[[], None]:
+    """A `preexec_fn` for Popen (call it in the parent: it notes the parent's pid): in the child before exec, get
+    SIGTERM when the parent dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG). A parent that dies between the
+    fork and the prctl sends no signal: the child would run on as an orphan (a coordinator holding the run's lock
+    after its simulator was killed at start-up), so a child that finds its parent gone after the prctl exits at
+    once instead of starting."""
+    parent = os.getpid()
+    try:  # loaded here, not in the child: a dlopen after a fork of a threaded process may deadlock
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
-        pass  # not Linux: the worker's own lock still prevents a second copy
+        prctl = None  # not Linux: the worker's own lock still prevents a second copy
+
+    def in_child() -> None:
+        if prctl is None:
+            return
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGTERM)  # as if the signal had come
+
+    return in_child
 
 
 def worker_argv(python: str, module: str, nproc: int = 1) -> list[str]:
@@ -251,7 +266,7 @@ class LocalProcess:
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
                                          stdin=subprocess.DEVNULL, cwd=REPO_ROOT, start_new_session=True, env=self.env,
-                                         preexec_fn=die_with_parent)
+                                         preexec_fn=die_with_parent())
         finally:
             if out is not None:
                 out.close()

@@ -287,7 +287,7 @@ def start_coordinator(path: str, ovs: list[str], cfg: RunConfig) -> subprocess.P
         env.pop(k, None)  # the coordinator is not part of our torchrun group
     with open(logf, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=REPO_ROOT, start_new_session=True, preexec_fn=die_with_parent)
+                                cwd=REPO_ROOT, start_new_session=True, preexec_fn=die_with_parent())
     log.info("started the coordinator (pid %d, log %s)", proc.pid, logf)
     return proc
 
