@@ -93,6 +93,20 @@ def test_selection_on_ties_is_deterministic_and_prefers_the_lower_offset(base):
 
 
 @settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 40), data=st.data())
+def test_selection_without_the_sort_is_the_stable_sorts_first_k(rows, cols, data):
+    """SparseCodec._select (torch.topk's k-th value as a threshold, ties at it by lowest offset) against the first
+    k of a stable descending sort, on rows full of ties (few distinct magnitudes, +0.0 and −0.0), every k, and a
+    NaN (the sort's answer)."""
+    level = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, -2.5, 3.0, float("nan")])
+    mat = torch.tensor(data.draw(st.lists(st.lists(level, min_size=cols, max_size=cols), min_size=rows,
+                                          max_size=rows)), dtype=torch.float32)
+    k = data.draw(st.integers(1, cols))
+    order = torch.sort(mat.abs(), dim=1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(SparseCodec._select(mat, k), torch.sort(order, dim=1).values)
+
+
+@settings(max_examples=60, deadline=None)
 @given(vals=st.lists(st.integers(0, 4095), min_size=1, max_size=200),
        bits=st.sampled_from([1, 2, 4, 7, 8, 12, 13]))
 def test_bit_packing_round_trips_in_ceil_bits(vals, bits):
@@ -191,7 +205,7 @@ def test_the_sparse_mean_adds_only_what_was_sent_and_gives_the_dense_sum_bit_for
     n = math.prod(shape)
     g = torch.Generator().manual_seed(3)
     acc = SparseAccumulator.__new__(SparseAccumulator)
-    acc.shapes, acc.codec, acc.stored = {"t": shape}, c, {}
+    acc.shapes, acc.codec, acc.stored, acc._sel = {"t": shape}, c, {}, {}
     dense = torch.zeros(n, dtype=torch.float64)
     for w, a in enumerate(weights):
         x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
@@ -221,7 +235,7 @@ def test_step_into_gives_the_dense_step_bit_for_bit(weights, range_, monkeypatch
     shapes = {"a": (37, 29), "b": (3000,)}
     g = torch.Generator().manual_seed(5)
     acc = SparseAccumulator.__new__(SparseAccumulator)
-    acc.shapes, acc.codec, acc.stored = shapes, c, {}
+    acc.shapes, acc.codec, acc.stored, acc._sel = shapes, c, {}, {}
     for w, a in enumerate(weights):
         stored = {}
         for name, shape in shapes.items():

@@ -118,6 +118,7 @@ class OuterMaster:
             acc = SparseAccumulator(self.paths, r, self.frags.shapes(r), self.delta_codec, self.oc.token_weighted,
                                     screen=screen, expected=expected)
             acc.phases = self.phases
+            acc.decode_on_arrival = True  # the commit after the last delta decodes that one alone
             return acc
         return Accumulator(self.paths, r, self.frags.shapes(r), self.delta_codec, self.oc.token_weighted,
                            screen=screen, phases=self.phases, expected=expected)
