@@ -310,9 +310,9 @@ class SparseAccumulator:
         self.bytes_read = 0
         self._sums: dict[str, torch.Tensor] | None = None
         self.stats = DeltaStats(shapes, expected) if screen else None  # outer.screen: of the decoded deltas
-        # per delta and tensor, what the sums take: (positions, a · values in float64, where each RANGE starts in
-        # them); made once, on arrival where decode_on_arrival (the coordinator: so the commit after the last
-        # delta decodes that one alone), else when first needed (a worker's copy of θ: on the lanes)
+        # per delta and tensor, what the sums take: (positions within their RANGE, a · values in float64, where
+        # each RANGE starts in them); made once, on arrival where decode_on_arrival (the coordinator: so the
+        # commit after the last delta decodes that one alone), else when first needed (a worker's θ: on the lanes)
         self._sel: dict[tuple[int, int], dict[str, tuple[torch.Tensor, torch.Tensor, list[int]]]] = {}
         self.decode_on_arrival = False
 
@@ -396,7 +396,8 @@ class SparseAccumulator:
         for key in sorted(self.stored):
             a, stored = self.stored[key]
             if _whole(a):
-                pos, av, _ = self.summand(key, name, n)
+                rel, av, cut = self.summand(key, name, n)
+                pos = rel + torch.repeat_interleave(torch.arange(len(cut) - 1) * RANGE, torch.tensor(cut).diff())
                 acc.put_(pos, av, accumulate=True)  # (positions unique: one add each)
             else:
                 acc.add_(self.codec.decode(name, stored, self.shapes[name]).reshape(-1).to(torch.float64), alpha=a)
@@ -406,7 +407,7 @@ class SparseAccumulator:
     def step_into(self, name: str, theta: torch.Tensor, lr: float, out: torch.Tensor) -> bool:
         """sparse_step(theta, self.mean(name), lr) written into `out` (contiguous float32, theta's size; theta itself
         steps in place), range by range: each range's float64 sum from +0.0, every delta's values in it added in the
-        fixed order (put_, accumulating: a delta's positions increase, so a range's are a slice found by binary
+        fixed order (index_add_: a delta's positions increase, so a range's are a slice found by binary
         search), then divided, scaled by −α and added to θ's range while it is in cache. Where no delta sent a value
         the sum stays +0.0, as in mean(). The same operations on the same values as mean() + sparse_step, so the
         same bits (tests/unit/test_codec_sparse.py), in ~3 passes over θ instead of ~7 and no tensor-sized
@@ -424,9 +425,9 @@ class SparseAccumulator:
         tmp = torch.empty(min(n, RANGE), dtype=torch.float32)
         for k, i in enumerate(range(0, n, RANGE)):
             j = min(n, i + RANGE)
-            for pos, vals, cut in sent:
-                if cut[k + 1] > cut[k]:
-                    acc.put_(pos[cut[k]:cut[k + 1]] - i, vals[cut[k]:cut[k + 1]], accumulate=True)
+            for rel, vals, cut in sent:
+                if cut[k + 1] > cut[k]:  # (a delta's positions are unique: one add each, in the fixed order)
+                    acc.index_add_(0, rel[cut[k]:cut[k + 1]], vals[cut[k]:cut[k + 1]])
             mean = torch.div(acc[:j - i], total, out=tmp[:j - i])  # the float64 quotient rounded once to float32
             torch.add(src[i:j], mean.mul_(-float(lr)), out=dst[i:j])
             acc.zero_()
@@ -434,9 +435,9 @@ class SparseAccumulator:
 
 
     def summand(self, key: tuple[int, int], name: str, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """What delta `key` (whole weight a) adds to tensor `name`'s sum: (positions, a · values in float64: exact,
-        where each RANGE of the tensor starts in them); decoded on arrival or here, once. Lanes that ask for
-        different tensors may call it at once."""
+        """What delta `key` (whole weight a) adds to tensor `name`'s sum: (positions within their RANGE, a · values
+        in float64: exact, where each RANGE of the tensor starts in them); decoded on arrival or here, once. Lanes
+        that ask for different tensors may call it at once."""
         got = self._sel.get(key, {}).get(name)
         if got is None:
             a, stored = self.stored[key]
@@ -455,7 +456,7 @@ def _whole(a: float) -> bool:
 
 def _summand(pos: torch.Tensor, vals: torch.Tensor, a: float, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     starts = torch.arange(0, n + RANGE, RANGE).clamp_(max=n)
-    return pos, vals.to(torch.float64).mul_(a), torch.searchsorted(pos, starts).tolist()
+    return pos.remainder(RANGE), vals.to(torch.float64).mul_(a), torch.searchsorted(pos, starts).tolist()
 
 
 def sparse_step(theta: torch.Tensor, mean: torch.Tensor, lr: float) -> torch.Tensor:
