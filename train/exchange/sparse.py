@@ -433,7 +433,6 @@ class SparseAccumulator:
             acc.zero_()
         return True
 
-
     def summand(self, key: tuple[int, int], name: str, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """What delta `key` (whole weight a) adds to tensor `name`'s sum: (positions within their RANGE, a · values
         in float64: exact, where each RANGE of the tensor starts in them); decoded on arrival or here, once. Lanes
