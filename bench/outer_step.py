@@ -25,8 +25,9 @@ reported):
   publish     a worker's last inner step -> its delta published: Δ = θ_r − θ_w, encode (with error feedback), write,
               fsync, sidecar; floor: the delta's bytes written with fsync
   load        the commit -> the worker's next first step: θ_{r+1} brought to the worker's copy (the global file, or
-              θ_r + the update, or the sum of the sparse deltas; the checksum checked) and into its model; floor:
-              the bytes read at the page-cached read bandwidth
+              θ_r + the update, or the sum of the sparse deltas; the checksum checked) and into its model; floors:
+              the bytes read at the page-cached read bandwidth, and read from the disk (O_DIRECT: how a worker on
+              another host reads what the coordinator wrote, and a worker on its host reads θ, written O_DIRECT)
 Each breakdown row is busy seconds summed over threads (reading, hashing and writing run beside the arithmetic, so
 the rows can sum to more than the wall time). Targets: tail / floor <= 1.5 at every N; tail(N max) / tail(N min)
 <= 1.2. Writes bench/results/outer_step[_<codec>].json.
@@ -188,10 +189,11 @@ class Worker:
         return {"load_s": dt, "load_read": self.copy.take_bytes(), "load_phases": dict(ph.busy)}
 
 
-def bandwidth(root: Path, nbytes: int) -> tuple[float, float, float]:
+def bandwidth(root: Path, nbytes: int) -> tuple[float, float, float, float]:
     """(read B/s with a warm page cache, write B/s with fsync through the page cache, write B/s with fsync and
-    O_DIRECT — 0 where the filesystem refuses it), sequential, on `root`'s disk. The floor takes the faster write:
-    the best this disk does, whichever way the product writes."""
+    O_DIRECT, read B/s with O_DIRECT: from the disk, as a worker on another host reads what the coordinator wrote —
+    the last two 0 where the filesystem refuses O_DIRECT), sequential, on `root`'s disk. The floor takes the faster
+    write: the best this disk does, whichever way the product writes."""
     import mmap
 
     path = root / "bw.bin"
@@ -211,11 +213,11 @@ def bandwidth(root: Path, nbytes: int) -> tuple[float, float, float]:
             pass
     read_bw = size / (time.perf_counter() - t0)
     path.unlink()
-    direct_bw = 0.0
+    direct_bw = cold_bw = 0.0
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
     except OSError:
-        return read_bw, write_bw, direct_bw
+        return read_bw, write_bw, direct_bw, cold_bw
     stage = mmap.mmap(-1, len(chunk))  # page aligned, as the product's O_DIRECT stage
     try:
         t0 = time.perf_counter()
@@ -223,14 +225,19 @@ def bandwidth(root: Path, nbytes: int) -> tuple[float, float, float]:
             stage[:] = chunk  # the copy into the stage is part of the product's cost too
             os.pwrite(fd, stage, i * len(chunk))
         os.fsync(fd)
-        direct_bw = os.fstat(fd).st_size / (time.perf_counter() - t0)
+        size = os.fstat(fd).st_size
+        direct_bw = size / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(max(1, nbytes // len(chunk))):
+            os.preadv(fd, [stage], i * len(chunk))
+        cold_bw = size / (time.perf_counter() - t0)
     except OSError:
         pass
     finally:
         stage.close()
         os.close(fd)
         path.unlink()
-    return read_bw, write_bw, direct_bw
+    return read_bw, write_bw, direct_bw, cold_bw
 
 
 def _med_phases(runs: list[dict], key: str = "phases") -> dict[str, float]:
@@ -288,7 +295,9 @@ def main() -> None:
             t = tails[-1]
             floor = t["read"] / read_bw + t["written"] / write_bw
             pub_floor = pubs[-1]["written"] / write_bw
+            cold_bw = median([b[3] for b in bws])
             load_floor = t["load_read"] / read_bw
+            load_floor_disk = t["load_read"] / cold_bw if cold_bw else float("nan")
             tail, pub, load = (median([x["s"] for x in tails]), median([x["s"] for x in pubs]),
                                median([x["load_s"] for x in tails]))
             results[n] = {"tail_s": [x["s"] for x in tails], "at_end_s": [x["s"] for x in ends], "floor_s": floor,
@@ -298,15 +307,17 @@ def main() -> None:
                           "after_commit_s": median([x["after_commit_s"] for x in tails]),
                           "publish_s": [x["s"] for x in pubs], "publish_floor_s": pub_floor,
                           "publish_phases": _med_phases(pubs), "load_s": [x["load_s"] for x in tails],
-                          "load_floor_s": load_floor, "load_phases": _med_phases(tails, "load_phases")}
+                          "load_floor_s": load_floor, "load_floor_disk_s": load_floor_disk, "read_bw_disk": cold_bw,
+                          "load_phases": _med_phases(tails, "load_phases")}
             rows.append([n, f"{tail:.2f} s", f"{median([x['s'] for x in ends]):.2f} s" if ends else "-",
                          f"{floor:.2f} s", f"{tail / floor:.2f}x"])
             wrows.append([n, f"{pub:.2f} s", f"{pub_floor:.2f} s", f"{pub / pub_floor:.2f}x", f"{load:.2f} s",
-                          f"{load_floor:.3f} s", f"{load / max(load_floor, 1e-9):.1f}x"])
+                          f"{load_floor:.3f} s", f"{load / max(load_floor, 1e-9):.1f}x", f"{load_floor_disk:.3f} s",
+                          f"{load / load_floor_disk:.2f}x"])
             breakdowns.append((n, tail, results[n]))
-            print(f"  the disk: read {read_bw / 1e9:.2f} GB/s (page cache), write + fsync {buffered_bw / 1e9:.2f} GB/s "
-                  f"through the page cache, {direct_bw / 1e9:.2f} GB/s with O_DIRECT (the floor takes the faster)",
-                  flush=True)
+            print(f"  the disk: read {read_bw / 1e9:.2f} GB/s (page cache), {cold_bw / 1e9:.2f} GB/s with O_DIRECT; "
+                  f"write + fsync {buffered_bw / 1e9:.2f} GB/s through the page cache, {direct_bw / 1e9:.2f} GB/s "
+                  f"with O_DIRECT (the floor takes the faster)", flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     shape = "small model" if args.small else "SmolLM2-135M shape"
@@ -320,7 +331,8 @@ def main() -> None:
         print(table([[k, f"{v:.3f}"] for k, v in res["tail_phases"].items()], ["phase", "busy s"]))
     print("\nthe worker's side (the same run)")
     print(table(wrows, ["workers", "last step -> delta published", "its floor (write + fsync)", "ratio",
-                        "commit -> next first step", "its floor (read)", "ratio"]))
+                        "commit -> next first step", "its floor (read, page cache)", "ratio",
+                        "its floor (read from the disk)", "ratio"]))
     n0, _, res0 = breakdowns[-1]
     print(f"\nN={n0}: the worker's breakdown (busy seconds)")
     print(table([[f"publish: {k}", f"{v:.3f}"] for k, v in res0["publish_phases"].items()]
