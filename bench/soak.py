@@ -78,8 +78,9 @@ MIN_GAP_S = 3.0  # two faults start at least this far apart, whatever --every-ro
 
 
 # -- the run's config ------------------------------------------------------------------------------------------------
-def soak_config(workers: int, rounds: int, H: int, dead_after: float) -> dict:
-    """The micro Llama on the shipped corpus, a round of about a second; averaging (the exact replay)."""
+def soak_config(workers: int, rounds: int, H: int, dead_after: float, codec: str = "none") -> dict:
+    """The micro Llama on the shipped corpus, a round of about a second; averaging (the exact replay); `codec`:
+    outer.compression (int8, topk: θ is followed the workers' way instead, see Checker)."""
     return {
         "project_name": PROJECT, "seed": 0,
         "model": {"name": str(REPO / "configs" / "micro-llama.json"), "tokenizer": str(REPO / "data" / "tokenizer")},
@@ -88,7 +89,8 @@ def soak_config(workers: int, rounds: int, H: int, dead_after: float) -> dict:
                   "device": "cpu"},
         "outer": {"num_workers": workers, "min_workers": max(1, workers // 2), "rounds": rounds, "local_steps": H,
                   "lr": 1.0, "momentum": 0.0, "poll_interval_s": 0.1, "round_timeout_s": 300,
-                  "dead_after_s": dead_after, "startup_grace_s": 60, "keep_rounds": 4, "max_restarts": 1000},
+                  "dead_after_s": dead_after, "startup_grace_s": 60, "keep_rounds": 4, "max_restarts": 1000,
+                  "compression": codec, "checkpoint_every": 10},
         "eval": {"batch_size": 8, "batches": 2, "every": 10},
         "logging": {"progress": False, "plot": True},
     }
@@ -150,10 +152,17 @@ class Fault:
 
 # -- the live checker ------------------------------------------------------------------------------------------------
 class Checker:
-    """Reads the backing folder (the server's view, no client cache) and checks every committed round once."""
+    """Reads the backing folder (the server's view, no client cache) and checks every committed round once.
 
-    def __init__(self, run: Path):
-        self.run = run
+    Without a codec θ_r is replayed from θ_{r−1} and the round's deltas. With one (int8, topk) the coordinator
+    writes θ only at checkpoints: the checker keeps its own copy of θ the way a worker does (train/exchange/theta.py
+    GlobalTheta: θ_{r−1} + the decoded update, or the fixed-order sum of the sparse deltas, from the newest
+    checkpoint when it fell behind) and checks it against each round's θ checksum in the commit record — the
+    coordinator's in-place step checked by the receivers' code, on the files as they are on the server."""
+
+    def __init__(self, run: Path, codec: str = "none", config: Path | None = None):
+        self.run, self.codec, self.config = run, codec, config
+        self.theta = None  # the codec runs' copy of θ (GlobalTheta), made at the first committed round
         self.seen: dict[int, str] = {}     # round -> sha256 of its COMMITTED file
         self.checked: list[int] = []
         self.unchecked: list[int] = []     # pruned before the checker saw both θ's and the deltas
@@ -193,6 +202,8 @@ class Checker:
 
     def replay(self, r: int, rec: dict) -> None:
         """θ_r = θ_{r-1} − mean of round r−1's accepted deltas (and late ones), bit for bit."""
+        if self.codec != "none":
+            return self.follow(r)
         import torch
         from safetensors.torch import load_file
 
@@ -219,6 +230,35 @@ class Checker:
             if not torch.equal(want, theta1[n]):
                 self.violations.append(f"round {r}: θ differs from the replay of its committed deltas ({n})")
                 break
+        self.checked.append(r)
+
+    def follow(self, r: int) -> None:
+        """A codec run: our copy of θ brought to round r and its checksum held against round r's commit record."""
+        from train.config import load_config
+        from train.core.errors import ProtocolError
+        from train.exchange.master import exchange_codecs
+        from train.exchange.store import DiLoCoPaths
+        from train.exchange.theta import GlobalTheta
+
+        if self.theta is None:
+            cfg = load_config(str(self.config))
+            self.theta = GlobalTheta(DiLoCoPaths(self.run), exchange_codecs(cfg.outer)[1], cfg.outer.fragments)
+        try:
+            if self.theta.round is not None and self.theta.round > r:
+                self.theta.round = None  # (a round seen late: start again from its checkpoint)
+            if not self.theta.buildable(r):
+                self.unchecked.append(r)
+                return
+            self.theta.advance_to(r)
+            self.theta.verify(r)
+        except FileNotFoundError:
+            self.unchecked.append(r)  # pruned while we read it
+            self.theta.round = None
+            return
+        except ProtocolError as e:
+            self.violations.append(f"round {r}: θ followed the workers' way differs from the coordinator's ({e})")
+            self.theta.round = None
+            return
         self.checked.append(r)
 
 
@@ -266,7 +306,7 @@ class Soak:
         self.backing = disk / "export"
         self.backing.mkdir()
         self.run = self.backing / PROJECT
-        cfg = soak_config(self.a.workers, self.a.rounds, self.a.local_steps, self.a.dead_after)
+        cfg = soak_config(self.a.workers, self.a.rounds, self.a.local_steps, self.a.dead_after, self.a.codec)
         self.cfg_path = self.out / "evolution.json"
         self.cfg_path.write_text(json.dumps(cfg, indent=1))
         self.env = dict(child_env(1), SOAK_BAD_DELTAS=str(self.out / "bad"), OMP_NUM_THREADS="1")
@@ -433,7 +473,7 @@ class Soak:
             return 2
         try:
             self.setup()
-            self.checker = Checker(self.run)
+            self.checker = Checker(self.run, self.a.codec, self.cfg_path)
             self.start(self.roles["coordinator"], None)
             for w in range(self.a.workers):
                 self.start(self.roles[f"worker-{w}"], w)
@@ -720,7 +760,7 @@ class Soak:
 
     def markdown(self, committed, kinds, violations, res_lines, final_ok, rows) -> str:
         a = self.a
-        out = [f"# Soak: {a.workers} workers x {a.rounds} rounds, seed {a.seed}", "",
+        out = [f"# Soak: {a.workers} workers x {a.rounds} rounds, seed {a.seed}, codec {a.codec}", "",
                f"`python bench/soak.py {' '.join(sys.argv[1:])}` — {self.now():.0f} s wall, {committed} rounds "
                f"committed, {len(self.faults)} faults of {len(kinds)} kinds ({', '.join(kinds)}), "
                f"{len(violations)} invariant violations. Disk: "
@@ -733,7 +773,9 @@ class Soak:
         miss = sum(len(r.get("missing") or []) for r in rows)
         out += ["", "## Invariants", "",
                 f"- rounds committed once: {committed} of {a.rounds}, each marker read once and never rewritten",
-                f"- θ replayed bit for bit from the committed deltas: {len(self.checker.checked)} rounds checked, "
+                ("- θ replayed bit for bit from the committed deltas: " if a.codec == "none" else
+                 "- θ followed the workers' way (decoded updates / sparse sums) and its checksum equal to the "
+                 "commit record's: ") + f"{len(self.checker.checked)} rounds checked, "
                 f"{len(self.checker.unchecked)} pruned before the checker saw them",
                 f"- deltas rejected: {rej}, missing: {miss} (each with its reason in metrics.jsonl); bad deltas "
                 f"injected: {len(self.bad)}",
@@ -762,6 +804,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 1000; --quick 80)")
     ap.add_argument("--local-steps", type=int, default=5, help="H (default %(default)s: a round of about a second)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--codec", choices=("none", "int8", "topk"), default="none",
+                    help="outer.compression (default none: θ replayed from the deltas; int8 / topk: θ followed the "
+                         "workers' way and held against each round's checksum)")
     ap.add_argument("--out", default=None, help="the report's folder (default: a new temp folder)")
     ap.add_argument("--faults", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
                     help=f"fault kinds (default: all of {', '.join(KINDS)})")

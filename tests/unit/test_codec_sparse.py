@@ -284,3 +284,62 @@ def test_the_screen_statistics_from_the_sent_values_are_the_dense_decodes():
         assert torch.equal(sample.view(torch.int64), want_sample.view(torch.int64)), name
         assert (sample != 0).any()
         assert norm2 == pytest.approx(want_norm2, rel=1e-12)
+
+
+
+def test_take_back_undoes_the_last_send_and_survives_a_resume():
+    """Residual(undo=True).take_back(): the error is what it was before the last send (the receivers took none of
+    that delta), once; the state kept for it goes through tensors() / load() (a worker's resume state); without
+    undo nothing is kept."""
+    c = SparseCodec(density=0.25, chunk=16, values="int8")
+    g = torch.Generator().manual_seed(11)
+    res = Residual(c, undo=True)
+    res.send("t", torch.randn(64, generator=g))
+    assert not res.tensors().keys() - {"residual::t"}  # (nothing was carried before the first send: not saved)
+    e1 = res.error["t"].clone()
+    res.send("t", 100 * torch.randn(64, generator=g))  # a bad delta: it leaves a large error
+    assert res.error["t"].norm() > 10 * e1.norm()
+    saved = {k: v.clone() for k, v in res.tensors().items()}
+    assert set(saved) == {"residual::t", "before::residual::t"}
+    again = Residual(c, undo=True)
+    again.load(saved)
+    for r in (res, again):
+        assert r.take_back() and torch.equal(r.error["t"], e1)
+        assert not r.take_back()  # once
+    plain = Residual(c)
+    plain.send("t", torch.randn(64, generator=g))
+    plain.send("t", torch.randn(64, generator=g))
+    assert not plain.take_back() and set(plain.tensors()) == {"residual::t"}
+
+
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_a_worker_takes_back_the_error_feedback_of_its_rejected_delta(tmp_path, overlap):
+    """Worker.take_back_rejected before round 5 is encoded (synchronous rounds): back to the error before round 4's
+    delta when round 5's commit record rejected it; not for another worker's rejection, nor without a record, nor
+    with overlap (its residual keeps no undo)."""
+    from types import SimpleNamespace
+
+    from train.core.store import atomic_write_json
+    from train.diloco.worker import Worker
+    from train.exchange.store import DiLoCoPaths
+
+    paths = DiLoCoPaths(tmp_path / "run")
+    g = torch.Generator().manual_seed(12)
+
+    def worker(w: int):
+        res = Residual(SparseCodec(density=0.25, chunk=16), undo=overlap == "none")
+        res.send("t", torch.randn(64, generator=g))
+        before = res.error["t"].clone()
+        res.send("t", 100 * torch.randn(64, generator=g))  # round 4's delta
+        return SimpleNamespace(residual=res, paths=paths, w=w), before
+
+    me, before = worker(2)
+    Worker.take_back_rejected(me, 5)  # no record of round 5 yet
+    assert not torch.equal(me.residual.error["t"], before)
+    paths.round_dir(5).mkdir(parents=True)
+    atomic_write_json(paths.committed(5), {"round": 5, "rejected": {"w002": "screen: norm 39.4 is 14.7x"}})
+    other, other_before = worker(1)
+    Worker.take_back_rejected(other, 5)
+    assert not torch.equal(other.residual.error["t"], other_before)
+    Worker.take_back_rejected(me, 5)
+    assert torch.equal(me.residual.error["t"], before) is (overlap == "none")

@@ -135,7 +135,9 @@ class Worker(ResumeState):
         self.data = TokenData.open(Path(start["data"]), cfg.data.seq_length, cfg.data.eval_fraction)
         self.state = start["state"]
         self.delta_codec, self.back_codec = exchange_codecs(cfg.outer)
-        self.residual = Residual(self.delta_codec) if cfg.outer.compression != "none" else None
+        # synchronous rounds can take back the error feedback of a rejected delta (take_back_rejected)
+        sync = cfg.outer.overlap == "none" and cfg.outer.fragments <= 1
+        self.residual = Residual(self.delta_codec, undo=sync) if cfg.outer.compression != "none" else None
         self.theta = GlobalTheta(self.paths, self.back_codec, cfg.outer.fragments) if main else None
         self.overlap = for_config(cfg.outer)  # none / delayed / eager: where a segment starts, its hand-off
         self.snap = OneSlot("state-snapshot")    # the state snapshot, written in the background
@@ -353,6 +355,7 @@ class Worker(ResumeState):
         if replay:
             pending = pending.with_name(f".replay-{pending.name}")
         fr = self.theta.frags  # round r's fragment (the whole model without streaming DiLoCo's fragments)
+        self.take_back_rejected(r)
         published = self.state["sidecar"]["sha256"] if replay and self.state["round_done"] == r else None
         file = write_delta(pending, fr.pieces(r), fr.view(r, theta_r), fr.view(r, params), self.delta_codec, r,
                            self.w, self.residual, like=published)  # a replay hashes as its published twin was
@@ -367,6 +370,22 @@ class Worker(ResumeState):
         self.finish_round(r, file, meta, data, self.sampler.position, self.trainer.extra_state())
         if self.overlap.snapshot_due(r):  # (streaming DiLoCo: once a cycle of P rounds; the rest are replayed)
             self.snapshot_state(r, opt_tensors)
+
+    def take_back_rejected(self, r: int) -> None:
+        """Before round r is encoded, in synchronous rounds: when the commit of round r (which round r trains from,
+        so it exists, and a replay of round r decides the same) rejected our delta of round r − 1, the error
+        feedback goes back to what it was before that delta (Residual.take_back): the receivers took none of it,
+        and what it left to carry came from a delta judged bad. (Not with overlap or fragments: their next delta
+        is encoded before the verdict on the last one; what a rejected delta left to carry is carried, as before.)"""
+        if self.residual is None or not self.residual.undo or r < 1:
+            return
+        try:
+            why = (read_json(self.paths.committed(r)).get("rejected") or {}).get(f"w{self.w:03d}")
+        except (OSError, ValueError, AttributeError):
+            return
+        if why and self.residual.take_back():
+            log.warning("round %d: our delta of round %d was rejected (%s); the error feedback is back to what it "
+                        "was before it", r, r - 1, why)
 
     def finish_round(self, r: int, file: dict, meta: dict, data: dict, position: int, extra: dict) -> None:
         """The delta of round r is in our pending file: write our resume point (small, synchronous: the round is

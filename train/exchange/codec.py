@@ -255,11 +255,16 @@ def get_codec(name: str, block: int = 128) -> Codec:
 class Residual:
     """Error feedback for one sender: `send(name, x)` returns what to store for x + (what was lost last time, times
     the codec's `ef_decay` β when it has one) and
-    keeps the new loss. `tensors()` / `load()` make it part of the sender's resume state."""
+    keeps the new loss. `tensors()` / `load()` make it part of the sender's resume state.
 
-    def __init__(self, codec: Codec):
+    `undo`: the error as it was before the last send is kept too (one more model-sized buffer, no copy: the tensor
+    the send replaces), so `take_back()` can undo a send the receivers never took (its delta was rejected)."""
+
+    def __init__(self, codec: Codec, undo: bool = False):
         self.codec = codec
         self.error: dict[str, torch.Tensor] = {}
+        self.undo = undo
+        self.before: dict[str, torch.Tensor | None] = {}  # (None: nothing was carried before that send)
         # β of SparseLoCo's error feedback (train/exchange/sparse.py): e is decayed before it joins the next
         # message; 1 (every dense codec) carries it whole
         self.decay = float(getattr(codec, "ef_decay", 1.0))
@@ -278,12 +283,35 @@ class Residual:
             stored = self.codec.encode(name, v)
             seen = self.codec.decode(name, stored, tuple(v.shape))
         if not self.codec.lossless:
+            if self.undo:
+                self.before[name] = e
             self.error[name] = (v - seen).to("cpu")
         return stored, seen
 
+    def take_back(self) -> bool:
+        """Undo the last send of every tensor: the error is what it was before it. For a delta the coordinator
+        rejected (the screen: a diverged model, a corrupted update): the receivers took none of it, and what it
+        left to carry came from it — with topk most of it, which the next deltas would bring back (bench/soak.py
+        --codec topk: a ×100 delta kept its worker's next 13 deltas 6-15× the round's median norm). False when
+        there is nothing to take back (no send since the last take_back; a resume state of the first round)."""
+        if not self.before:
+            return False
+        self.error = {k: e for k, e in self.before.items() if e is not None}
+        self.before = {}
+        return True
+
     def tensors(self, prefix: str = "residual::") -> dict[str, torch.Tensor]:
-        return {prefix + k: v for k, v in self.error.items()}
+        out = {prefix + k: v for k, v in self.error.items()}
+        if self.undo and all(e is not None for e in self.before.values()):
+            out.update({BEFORE + prefix + k: v for k, v in self.before.items()})
+        return out
 
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str = "residual::") -> None:
         self.error = {k[len(prefix):]: v.to(torch.float32).clone() for k, v in tensors.items()
                       if k.startswith(prefix)}
+        before = BEFORE + prefix
+        self.before = {k[len(before):]: v.to(torch.float32).clone() for k, v in tensors.items()
+                       if k.startswith(before)} if self.undo else {}
+
+
+BEFORE = "before::"  # the prefix of `Residual.before` in a resume state (before the residual's own)
