@@ -125,7 +125,7 @@ class ResumeState:
         if not self.dist.enabled:
             self.trainer.load_state(opt_file, extra)
             return
-        tensors = {k: t for k, t in iter_tensors(opt_file) if not k.startswith(("residual::", "before::residual::"))} \
+        tensors = {k: t for k, t in iter_tensors(opt_file) if not k.startswith("residual::")} \
             if self.dist.main else {}
         specs = broadcast_json({k: list(t.shape) for k, t in tensors.items()}, self.dist, self.device)
         full = {k: broadcast_full(tensors.get(k), shape, torch.float32, self.dist, self.device)

@@ -376,7 +376,8 @@ class Worker(ResumeState):
         so it exists, and a replay of round r decides the same) rejected our delta of round r − 1, the error
         feedback goes back to what it was before that delta (Residual.take_back): the receivers took none of it,
         and what it left to carry came from a delta judged bad. (Not with overlap or fragments: their next delta
-        is encoded before the verdict on the last one; what a rejected delta left to carry is carried, as before.)"""
+        is encoded before the verdict on the last one; nor after a restart between the two, the undo is not in the
+        resume state: there what a rejected delta left to carry is carried, as before.)"""
         if self.residual is None or not self.residual.undo or r < 1:
             return
         try:

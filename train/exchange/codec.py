@@ -258,7 +258,9 @@ class Residual:
     keeps the new loss. `tensors()` / `load()` make it part of the sender's resume state.
 
     `undo`: the error as it was before the last send is kept too (one more model-sized buffer, no copy: the tensor
-    the send replaces), so `take_back()` can undo a send the receivers never took (its delta was rejected)."""
+    the send replaces), so `take_back()` can undo a send the receivers never took (its delta was rejected). It is
+    not part of the resume state (a worker's snapshot every round would grow by a model's size for a rare event): a
+    sender restarted right after such a send carries its error as before."""
 
     def __init__(self, codec: Codec, undo: bool = False):
         self.codec = codec
@@ -293,7 +295,7 @@ class Residual:
         rejected (the screen: a diverged model, a corrupted update): the receivers took none of it, and what it
         left to carry came from it — with topk most of it, which the next deltas would bring back (bench/soak.py
         --codec topk: a ×100 delta kept its worker's next 13 deltas 6-15× the round's median norm). False when
-        there is nothing to take back (no send since the last take_back; a resume state of the first round)."""
+        there is nothing to take back (no send since the last take_back or since a restart)."""
         if not self.before:
             return False
         self.error = {k: e for k, e in self.before.items() if e is not None}
@@ -301,17 +303,9 @@ class Residual:
         return True
 
     def tensors(self, prefix: str = "residual::") -> dict[str, torch.Tensor]:
-        out = {prefix + k: v for k, v in self.error.items()}
-        if self.undo and all(e is not None for e in self.before.values()):
-            out.update({BEFORE + prefix + k: v for k, v in self.before.items()})
-        return out
+        return {prefix + k: v for k, v in self.error.items()}
 
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str = "residual::") -> None:
         self.error = {k[len(prefix):]: v.to(torch.float32).clone() for k, v in tensors.items()
                       if k.startswith(prefix)}
-        before = BEFORE + prefix
-        self.before = {k[len(before):]: v.to(torch.float32).clone() for k, v in tensors.items()
-                       if k.startswith(before)} if self.undo else {}
-
-
-BEFORE = "before::"  # the prefix of `Residual.before` in a resume state (before the residual's own)
+        self.before = {}
