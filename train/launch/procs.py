@@ -37,8 +37,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 from train.config import REPO_ROOT
 from train.core.heartbeat import parent_died
