@@ -22,6 +22,9 @@ reported):
   floor       the tail's bytes (one delta read; θ_{r+1} and the momentum written, fsync'd) at the disk's sequential
               bandwidth measured in the same repeat (reads with a warm page cache, as the just-written delta is;
               writes the faster of through the page cache and O_DIRECT, as the product writes θ and the momentum)
+  RAM floor   the tail's least memory traffic (ram_bytes: the last delta, the float64 sum, θ, the momentum, the
+              residual, the bytes written) at the memory bandwidth of a copy measured in the same repeat: a tail
+              whose floor this is, not the disk's, is bound by memory, and no ordering of the I/O reaches the disk's
   publish     a worker's last inner step -> its delta published: Δ = θ_r − θ_w, encode (with error feedback), write,
               fsync, sidecar; floor: the delta's bytes written with fsync
   load        the commit -> the worker's next first step: θ_{r+1} brought to the worker's copy (the global file, or
@@ -35,6 +38,7 @@ the rows can sum to more than the wall time). Targets: tail / floor <= 1.5 at ev
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import tempfile
@@ -130,6 +134,7 @@ def one_round(cfg, paths, n: int, at_end: bool, worker=None, momentum=None) -> d
     after = time.perf_counter() - t1
     out = {"s": dt, "after_commit_s": after, "read": acc.bytes_read - read_before,
            "written": fields["bytes_written"], "phases": dict(ph.busy)}
+    out["ram"] = ram_bytes(m, out["read"], out["written"])
     if worker is not None:
         out.update(worker.load(1))
     m.discard_uncommitted(0)
@@ -187,6 +192,32 @@ class Worker:
             self.copy.load_into(self.model)
         dt = time.perf_counter() - t0
         return {"load_s": dt, "load_read": self.copy.take_bytes(), "load_phases": dict(ph.busy)}
+
+
+def ram_bytes(m, read: int, written: int) -> int | None:
+    """The least memory traffic of a dense tail (None for topk, whose step is N·K scattered adds, not a stream):
+    the last delta's bytes read once, then per value the float64 sum read (8 B), θ read and written (8 B), the
+    momentum read and written (8 B), the way-back residual read and written (8 B, with a lossy codec), and every
+    byte written to the disk read once more by the disk's DMA — what any implementation that keeps this state in
+    memory (the sum in float64: accumulate.py says why) moves at least once per round."""
+    if m.sparse:
+        return None
+    values = sum(math.prod(s) for s in m.shapes.values())
+    per_value = 8 + 8 + 8 + (8 if m.residual is not None and not m.codec.lossless else 0)
+    return read + values * per_value + written
+
+
+def memory_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes per second a copy between two buffers moves (read + written) with every core's thread: this box's
+    streaming memory bandwidth, the best of three."""
+    a = torch.ones(nbytes, dtype=torch.uint8)
+    b = torch.zeros_like(a)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = max(best, 2 * nbytes / (time.perf_counter() - t0))
+    return best
 
 
 def bandwidth(root: Path, nbytes: int) -> tuple[float, float, float, float]:
@@ -274,7 +305,7 @@ def main() -> None:
             cfg, paths, model, names, theta = setup_round(root, n, args.small, args.codec)
             worker = Worker(cfg, paths, model, names, theta)
             momentum = steady_momentum(names, theta)
-            tails, ends, pubs, bws = [], [], [], []
+            tails, ends, pubs, bws, mems = [], [], [], [], []
             if args.warmup:  # not counted: the process's first rounds fault in fresh memory (the reader's buffers,
                 # the sums, θ) — on this VM 2-3x the steady state; a coordinator pays that once, not every round
                 w0 = one_round(cfg, paths, n, at_end=False, worker=worker, momentum=momentum)
@@ -285,6 +316,7 @@ def main() -> None:
                     ends.append(one_round(cfg, paths, n, at_end=True, momentum=momentum))
                 pubs.append(worker.publish())
                 bws.append(bandwidth(root, max(tails[-1]["written"], pubs[-1]["written"], 64 << 20)))
+                mems.append(memory_bandwidth())
                 loads.append(load_average())
                 print(f"  repeat {i + 1}: tail {tails[-1]['s']:.2f}s"
                       + (f", reduce at the end {ends[-1]['s']:.2f}s" if ends else "")
@@ -294,6 +326,8 @@ def main() -> None:
             buffered_bw, direct_bw = median([b[1] for b in bws]), median([b[2] for b in bws])
             t = tails[-1]
             floor = t["read"] / read_bw + t["written"] / write_bw
+            mem_bw = median(mems)
+            ram_floor = t["ram"] / mem_bw if t["ram"] is not None else None
             pub_floor = pubs[-1]["written"] / write_bw
             cold_bw = median([b[3] for b in bws])
             load_floor = t["load_read"] / read_bw
@@ -308,23 +342,27 @@ def main() -> None:
                           "publish_s": [x["s"] for x in pubs], "publish_floor_s": pub_floor,
                           "publish_phases": _med_phases(pubs), "load_s": [x["load_s"] for x in tails],
                           "load_floor_s": load_floor, "load_floor_disk_s": load_floor_disk, "read_bw_disk": cold_bw,
-                          "load_phases": _med_phases(tails, "load_phases")}
+                          "load_phases": _med_phases(tails, "load_phases"), "memory_bw": mem_bw,
+                          "ram_bytes": t["ram"], "ram_floor_s": ram_floor}
             rows.append([n, f"{tail:.2f} s", f"{median([x['s'] for x in ends]):.2f} s" if ends else "-",
-                         f"{floor:.2f} s", f"{tail / floor:.2f}x"])
+                         f"{floor:.2f} s", f"{tail / floor:.2f}x",
+                         "-" if ram_floor is None else f"{ram_floor:.2f} s",
+                         "-" if ram_floor is None else f"{tail / max(floor, ram_floor):.2f}x"])
             wrows.append([n, f"{pub:.2f} s", f"{pub_floor:.2f} s", f"{pub / pub_floor:.2f}x", f"{load:.2f} s",
                           f"{load_floor:.3f} s", f"{load / max(load_floor, 1e-9):.1f}x", f"{load_floor_disk:.3f} s",
                           f"{load / load_floor_disk:.2f}x"])
             breakdowns.append((n, tail, results[n]))
             print(f"  the disk: read {read_bw / 1e9:.2f} GB/s (page cache), {cold_bw / 1e9:.2f} GB/s with O_DIRECT; "
                   f"write + fsync {buffered_bw / 1e9:.2f} GB/s through the page cache, {direct_bw / 1e9:.2f} GB/s "
-                  f"with O_DIRECT (the floor takes the faster)", flush=True)
+                  f"with O_DIRECT (the floor takes the faster); memory {mem_bw / 1e9:.1f} GB/s (a copy, read + "
+                  f"written)", flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     shape = "small model" if args.small else "SmolLM2-135M shape"
     print(f"\nouter step, {shape}, codec {args.codec}, {cores} cores, load average before / during: "
           f"{loads[0]} / {', '.join(loads[1:])}")
     print(table(rows, ["workers", "tail (last arrival -> commit)", "reduce all at the end", "tail's I/O floor",
-                       "tail / floor (target <= 1.5x)"]))
+                       "tail / floor (target <= 1.5x)", "its RAM floor", "tail / the larger floor"]))
     for n, tail, res in breakdowns:
         print(f"\nN={n}: the tail's breakdown (busy seconds, summed over threads; wall {tail:.2f} s; after the "
               f"commit {res['after_commit_s']:.3f} s more)")

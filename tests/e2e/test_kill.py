@@ -83,7 +83,7 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
     cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000},
                                    outer={"compression": codec}))
     if codec == "int8":  # segments of 256 values: the micro model's tensors span several
-        monkeypatch.setattr(master_mod, "SEGMENT", 256)
+        monkeypatch.setattr(master_mod, "CODED_SEGMENT", 256)
     co = Coordinator(cfg, progress=False)
     co.setup()
     paths = co.paths

@@ -187,3 +187,20 @@ def test_decode_range_is_decode_sliced_bit_for_bit(values, name, block, data):
     for buf in (None, torch.full((n + block,), 3.0)):
         got = c.decode_range("t", stored, n, i, j, buf)
         assert torch.equal(got.view(torch.int32), whole[i:j].view(torch.int32)), (i, j)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 5000), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       bad=st.lists(st.tuples(st.integers(0, 4999), st.sampled_from([math.nan, math.inf, -math.inf])), max_size=3),
+       seed=st.integers(0, 2**16))
+def test_all_finite_is_isfinite_all(n, dtype, bad, seed):
+    """all_finite (the least and greatest values) says what isfinite().all() says, at any position of a NaN or an
+    infinity, in every float width the deltas come in, and for an empty tensor."""
+    from train.exchange.codec import all_finite
+
+    t = (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 1e3).to(dtype)
+    for i, v in bad:
+        if i < n:
+            t[i] = v
+    assert all_finite(t) == bool(torch.isfinite(t).all())
+    assert all_finite(t.view(-1, 1) if n else t) == bool(torch.isfinite(t).all())

@@ -22,15 +22,16 @@ from train.exchange.theta import file_order
 ROUNDS = 4  # checkpoints at rounds 2 and 4 (checkpoint_every 2, the last)
 
 
-def _run(root, codec: str, streamed: bool, monkeypatch) -> tuple[list, OuterMaster, DiLoCoPaths]:
+def _run(root, codec: str, streamed: bool, monkeypatch, block: int = 128) -> tuple[list, OuterMaster, DiLoCoPaths]:
     cfg = build_config(tiny_config(root, outer={"compression": codec, "checkpoint_every": 2, "rounds": ROUNDS,
-                                                "num_workers": 2}))
+                                                "num_workers": 2, "block_size": block}))
     paths = DiLoCoPaths(cfg.run_dir)
     torch.manual_seed(0)
     save_model_dir(build_model(cfg), paths.global_dir(0))
     atomic_write_json(paths.committed(0), {"round": 0})
-    if streamed:  # segments of 256 values (two int8 blocks): every tensor of the micro model spans several
-        monkeypatch.setattr(master_mod, "SEGMENT", 256)
+    if streamed:  # segments of 256 values (two int8 blocks; fewer, whole pairs of blocks, for a block that does not
+        # divide it): every tensor of the micro model spans several
+        monkeypatch.setattr(master_mod, "CODED_SEGMENT", 256)
     else:
         monkeypatch.setattr(OuterMaster, "streams_coded", lambda self, r: False)
     m = OuterMaster(paths, cfg.outer, ROUNDS)
@@ -58,15 +59,17 @@ def _run(root, codec: str, streamed: bool, monkeypatch) -> tuple[list, OuterMast
     return out, m, paths
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "bfloat16"])
-def test_segments_equal_the_whole_tensor_step(tmp_path, monkeypatch, caplog, codec):
+@pytest.mark.parametrize("codec,block", [("int8", 128), ("int4", 128), ("bfloat16", 128), ("int8", 12), ("int4", 10)])
+def test_segments_equal_the_whole_tensor_step(tmp_path, monkeypatch, caplog, codec, block):
     with monkeypatch.context() as mp:
-        whole, _, _ = _run(tmp_path / "whole", codec, False, mp)
+        whole, _, _ = _run(tmp_path / "whole", codec, False, mp, block)
     with monkeypatch.context() as mp:
-        seg, m, paths = _run(tmp_path / "seg", codec, True, mp)
+        seg, m, paths = _run(tmp_path / "seg", codec, True, mp, block)
         assert m.streams_coded(0)
+        if m.codec.quantised:  # 256 values, or the most whole pairs of blocks under it (240 for both)
+            assert m.coded_segment() == 256 // (2 * block) * 2 * block
     sizes = [v.numel() for v in seg[0]["theta"].values()]
-    assert max(sizes) > 3 * 256 and any(n % 128 for n in sizes)  # many segments; a partial last block
+    assert max(sizes) > 3 * 256 and any(n % block for n in sizes)  # many segments; a partial last block
     for r, (a, b) in enumerate(zip(whole, seg)):
         assert a["fields"] == b["fields"], r
         assert a["update"] == b["update"], r

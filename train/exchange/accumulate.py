@@ -39,6 +39,7 @@ from train.exchange.screen import DeltaStats
 from train.exchange.store import DiLoCoPaths
 
 CHUNK = 1 << 20  # values per piece of the float64 add (8 MB): the temporaries stay small and in cache
+_LANE = threading.local()  # each thread's float64 piece (add_range)
 
 
 def _whole_file_reason(acc, f, meta: dict) -> str | None:
@@ -158,7 +159,8 @@ class Accumulator:
                 self._add_flat(flat, a, key)
             started: list[bool] = []  # a lane began adding (a rejection then rebuilds the sum)
             # with the screen's statistics, their squared norm is the finite check: a float64 sum of squares of
-            # values of <= 32 bits is finite exactly when every value is (codec.all_finite's argument), so a cast
+            # values of <= 32 bits is finite exactly when every value is (NaN or an infinity makes it so, and finite
+            # squares below 2^256 cannot overflow a sum of fewer than 2^700 of them), so a cast
             # delta is not read a second time for it; a NaN found so is found after its piece was added (rebuild)
             by_norm = key is not None and not self.codec.quantised
 
@@ -260,10 +262,13 @@ class Accumulator:
         product is stored), piece by piece; the screen's statistics of each piece with `observe`. Touches only
         that range of sum[n]: ranges of one tensor can be added on different threads."""
         ph, s, stats = self.phases, self.sum[n], []
+        buf = getattr(_LANE, "d64", None)
+        if buf is None:  # this lane's float64 piece, reused: no fresh 8 MB temporary (and its page faults) per piece
+            buf = _LANE.d64 = torch.empty(CHUNK, dtype=torch.float64)
         for i in range(i0, j0, CHUNK):
             j = min(j0, i + CHUNK)
             with ph("accumulate"):
-                d = dec[i:j].to(torch.float64)  # exact, from float32 (and from the 16-bit casts)
+                d = buf[:j - i].copy_(dec[i:j])  # exact, from float32 (and from the 16-bit casts)
             if observe:
                 with ph("screen"):
                     stats.append(self.stats.chunk_stats(n, i, d))

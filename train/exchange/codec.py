@@ -117,7 +117,7 @@ class Codec:
     def round_trip(self, name: str, v: torch.Tensor, buf: torch.Tensor | None = None
                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """(encode(name, v), decode of it) for a flat float32 piece `v` — the same bits as encode then decode
-        (tests/unit/test_codec.py) in fewer passes and no padded copies: the block's absmax from one min/max pass,
+        (tests/unit/test_codec.py) in fewer passes and no padded copies: the block's absmax from |x| in the buffer,
         the codes rounded in a float32 buffer (`buf`, at least v.numel() values rounded up to a block: reused, no
         fresh pages), then the codes put back into it as floats and multiplied by the scales in place (decode's
         codes.float() · scale). The decoded values are a view of `buf`. A cast codec: encode and decode as they
@@ -136,8 +136,10 @@ class Codec:
         if n % B:  # the last block, short: padded with zeros as encode() pads it
             out[full].zero_()
             out[full, :n - full * B].copy_(v[full * B:])
-        mn, mx = torch.aminmax(v[:full * B].view(full, B), dim=1)
-        absmax = torch.maximum(mx, mn.neg_()).abs_()  # max |x|, +0.0 for a block of zeros (as abs().amax())
+        # encode()'s abs().amax(dim=1), the |x| put in the buffer the codes overwrite next (a reduction along the
+        # block is 8x faster over |x| than torch.aminmax's min/max pair; the same op as encode, so the same bits,
+        # NaN included)
+        absmax = torch.abs(v[:full * B], out=vals.view(-1)).view(full, B).amax(dim=1)
         if n % B:
             absmax = torch.cat([absmax, out[full].abs().amax().reshape(1)])
         scale = absmax.div_(q)
@@ -223,12 +225,16 @@ class Codec:
 
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every value of `t` is finite, in one pass that allocates nothing of t's size (isfinite().all()
-    writes a mask of it first: 3x the time on a 135M-value delta). For floats of up to 32 bits a float64 sum is
-    finite exactly when every value is: NaN or ±inf anywhere makes it NaN or ±inf, and finite values cannot
-    overflow it (each is below 2^128, the sum of fewer than 2^800 of them below 2^1024)."""
-    if t.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return bool(torch.isfinite(torch.sum(t, dtype=torch.float64)))
-    return bool(torch.isfinite(t).all())
+    writes a mask of it first: 3x the time on a 135M-value delta): its least and greatest values are finite exactly
+    when every value is (torch.aminmax returns NaN for both when any value is NaN, and an infinity is the least or
+    the greatest). 0.02-0.04 s for 135M float32 values on this box's 2 cores, where a float64 sum took 0.5-0.6 s:
+    torch.sum(dtype=float64) converts the whole tensor first."""
+    if t.numel() == 0:
+        return True
+    if t.is_floating_point():
+        lo, hi = torch.aminmax(t.reshape(-1))
+        return math.isfinite(float(lo)) and math.isfinite(float(hi))
+    return True  # integer codes are always finite
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,10 @@ from train.exchange.theta import GlobalTheta, read_update, theta_checksum
 log = logging.getLogger("coordinator")
 RESIDUAL = "residual::"
 SEGMENT = 4 * CHUNK  # values of a tensor one lane steps at a time (the no-codec step, _step_full)
+# values one lane steps at a time with a dense codec (_step_coded), rounded down to whole pairs of the codec's blocks:
+# its ~12 passes stay in the core's cache and torch's float64 -> float32 mean needs no fresh temporary pages (3.6x
+# faster per value than 4M-value segments: docs/benchmarks.md, "Outer step")
+CODED_SEGMENT = 1 << 18
 
 
 class _BadDelta(Exception):
@@ -333,18 +337,25 @@ class OuterMaster:
 
     def streams_coded(self, r: int) -> bool:
         """Whether round r's step with a dense codec (int8, int4, a cast) can run segment by segment
-        (_step_coded): one fragment, every tensor whole, and segments that end on the codec's blocks."""
+        (_step_coded): one fragment, every tensor whole."""
         c = self.codec
-        return (c is not None and not self.sparse and self.frags.pieces(r) == self.names
-                and (not c.quantised or SEGMENT % (2 * c.block) == 0))
+        return c is not None and not self.sparse and self.frags.pieces(r) == self.names
+
+    def coded_segment(self) -> int:
+        """_step_coded's segment: CODED_SEGMENT values rounded down to whole pairs of the codec's blocks (so a
+        block never straddles two segments, nor int4's byte of two codes), at least one pair."""
+        if not self.codec.quantised:
+            return CODED_SEGMENT
+        pair = 2 * self.codec.block
+        return max(1, CODED_SEGMENT // pair) * pair
 
     def _step_coded(self, r: int, acc: Accumulator, lr: float | None) -> tuple[str, int, str]:
-        """The step with a dense codec, in segments of SEGMENT values on every core's lane, each one taken all the
-        way while it is in cache: the mean's piece, the outer step (θ* and m_{r+1}), the target θ* − θ_r plus the
-        residual, its encoding and decoding, the new residual, θ_{r+1} = θ_r + decode(u) in place; each encoded
-        segment goes to the update file's writer at once (a tensor's scales after its codes, as the file stores
-        them), and θ_{r+1}'s checksum is taken segment by segment. Element by element the same IEEE operations as
-        _step + θ + decode(u) (the codec's blocks never straddle a segment: streams_coded), so the same bits
+        """The step with a dense codec, in segments of coded_segment() values on every core's lane, each one taken all
+        the way while it is in cache: the mean's piece, the outer step (θ* and m_{r+1}), the target θ* − θ_r plus the
+        residual, its encoding and decoding, the new residual, θ_{r+1} = θ_r + decode(u) in place; each encoded segment
+        goes to the update file's writer (O_DIRECT) at once (a tensor's scales after its codes, as the file stores
+        them), and θ_{r+1}'s checksum is taken segment by segment. Element by element the same IEEE operations as _step
+        + θ + decode(u) (the codec's blocks never straddle a segment: coded_segment), so the same bits
         (tests/unit/test_master_coded.py). Returns (the update file's checksum, its bytes, θ_{r+1}'s checksum)."""
         from train.core import digest
         from train.core.tensorio import tensor_bytes
@@ -359,7 +370,9 @@ class OuterMaster:
                 self.momentum[n] = torch.empty(self.shapes[n], dtype=torch.float32)
             if n not in had_e and not codec.lossless:
                 res.error[n] = torch.empty(self.shapes[n], dtype=torch.float32)
-        segments = [(n, i, min(numel[n], i + SEGMENT)) for n in self.names for i in range(0, max(1, numel[n]), SEGMENT)]
+        seg_len = self.coded_segment()
+        segments = [(n, i, min(numel[n], i + seg_len)) for n in self.names
+                    for i in range(0, max(1, numel[n]), seg_len)]
         decay = res.decay
         local = threading.local()  # each lane's buffer for the codes and the decoded values
 
@@ -368,7 +381,7 @@ class OuterMaster:
             theta, m = self.theta.tensors[n].view(-1)[i0:j0], self.momentum[n].view(-1)[i0:j0]
             with ph("outer step, encode the update (+ error feedback)"):
                 if getattr(local, "buf", None) is None:  # this lane's: reused, no fresh pages per segment
-                    local.buf, local.g, local.new = (torch.empty(SEGMENT, dtype=torch.float32) for _ in range(3))
+                    local.buf, local.g, local.new = (torch.empty(seg_len, dtype=torch.float32) for _ in range(3))
                 g = acc.mean_piece(n, i0, j0, out=local.g)
                 new = local.new[:j0 - i0].copy_(theta)
                 b = outer_step_piece(new, g, m if n in had_m else None, lr, oc.momentum, oc.nesterov)
@@ -390,7 +403,7 @@ class OuterMaster:
         th = digest.Hasher()
         with intra_op_threads(1), \
                 StreamingWriter(self.paths.update_file(r + 1), specs, {"round": str(r + 1), **codec.metadata()},
-                                phases=ph) as wr:
+                                phases=ph, direct=True) as wr:  # O_DIRECT, as θ without a codec
             scales: list[torch.Tensor] = []
             for n, i0, j0, stored in ordered_map(step_segment, segments, lanes()):
                 wr.write_part(n, stored[n].reshape(-1))
