@@ -103,21 +103,29 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
                                                    "inner_steps": 5, "tokens": 100, "loss": 1.0, "sha256": sha,
                                                    "bytes": paths.delta_file(0, w).stat().st_size,
                                                    "data": {"segment": 0, "offset": off, "windows": n, "read": n}})
-    real = master_mod.outer_step_piece  # the step, piece by piece (train/exchange/master.py _step_full, _step_coded)
+    from train.exchange import fused, outer
+
+    # the step, piece by piece (train/exchange/master.py _step_full, _step_coded): torch's ops or the fused kernels
+    real = {(outer, "outer_step_piece"): outer.outer_step_piece, (fused, "mean_step"): fused.mean_step,
+            (fused, "coded_step"): fused.coded_step}
     calls = {"n": 0}
 
-    def dying(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt("simulated crash mid-commit")
-        return real(*a, **k)
+    def dying(fn):
+        def step(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise KeyboardInterrupt("simulated crash mid-commit")
+            return fn(*a, **k)
+        return step
 
-    monkeypatch.setattr(master_mod, "outer_step_piece", dying)
+    for (mod, name), fn in real.items():
+        monkeypatch.setattr(mod, name, dying(fn))
     with pytest.raises(KeyboardInterrupt):
         co.run_round(0)
     assert paths.latest_committed() == 0 and not paths.committed(1).exists()
     assert not paths.global_dir(1).exists() and not paths.update_file(1).exists()
-    monkeypatch.setattr(master_mod, "outer_step_piece", real)
+    for (mod, name), fn in real.items():
+        monkeypatch.setattr(mod, name, fn)
     co.close()  # the crashed coordinator's process is gone, and its lock with it
 
     # A commit that wrote everything but the marker (killed just before it) is redone too.

@@ -59,11 +59,18 @@ def _run(root, codec: str, streamed: bool, monkeypatch, block: int = 128) -> tup
     return out, m, paths
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch-ops"])
 @pytest.mark.parametrize("codec,block", [("int8", 128), ("int4", 128), ("bfloat16", 128), ("int8", 12), ("int4", 10)])
-def test_segments_equal_the_whole_tensor_step(tmp_path, monkeypatch, caplog, codec, block):
+def test_segments_equal_the_whole_tensor_step(tmp_path, monkeypatch, caplog, codec, block, fused):
+    """The segments with the fused kernel (train/exchange/fused.py, a block codec; a cast always takes torch's ops)
+    and with torch's ops (EDT_FUSED=0) against the whole-tensor way."""
+    if fused:
+        pytest.importorskip("numba")
     with monkeypatch.context() as mp:
         whole, _, _ = _run(tmp_path / "whole", codec, False, mp, block)
     with monkeypatch.context() as mp:
+        if not fused:
+            mp.setenv("EDT_FUSED", "0")
         seg, m, paths = _run(tmp_path / "seg", codec, True, mp, block)
         assert m.streams_coded(0)
         if m.codec.quantised:  # 256 values, or the most whole pairs of blocks under it (240 for both)

@@ -28,12 +28,13 @@ from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
 from train.core.phases import NO_PHASES
-from train.exchange.outer import outer_lr_at, outer_step_piece, outer_step_tensor
+from train.exchange.outer import outer_lr_at, outer_step_tensor
 from train.core.store import publish_dir, read_json
 from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import StreamingWriter, iter_tensors
 from train.core.threads import intra_op_threads, lanes, ordered_map
 from train.exchange.accumulate import CHUNK, Accumulator
+from train.exchange import fused
 from train.exchange.codec import Codec, Residual, all_finite
 from train.exchange.protocol import CHECKSUM_DIFFERS, RejectedDelta, check_sidecar
 from train.exchange.theta import GlobalTheta, read_update, theta_checksum
@@ -244,6 +245,7 @@ class OuterMaster:
         segments = [(n, i, min(numel[n], i + SEGMENT)) for n in self.names for i in range(0, max(1, numel[n]), SEGMENT)]
         done: set[tuple[str, int]] = set()  # (tensor, first value) of the segments stepped (publish_dir may retry)
         local = threading.local()  # each lane's buffer for the mean's piece, overwritten by the step
+        kern = fused.kernels()
         nbytes: list[int] = []
         if last is not None:
             a, observe = acc.weight_of(meta), acc.stats is not None
@@ -272,12 +274,15 @@ class OuterMaster:
                 gbuf = local.gbuf = torch.empty(CHUNK, dtype=torch.float32)
             with ph("outer step"):
                 p, m = self.theta.tensors[n].view(-1), self.momentum[n].view(-1)
-                for i in range(i0, j0, CHUNK):
+                if kern is not None:  # the mean and the step in one pass, torch's bits (train/exchange/fused.py)
+                    fused.mean_step(kern, acc.sum[n][i0:j0], acc.total, p[i0:j0], m[i0:j0], oc.momentum, lr,
+                                    oc.nesterov, n in had)
+                    done.add((n, i0))
+                    return n, i0, j0, stats
+                for i in range(i0, j0, CHUNK):  # torch's ops: the mean's piece, outer.outer_step_piece
                     j = min(j0, i + CHUNK)
-                    g = acc.mean_piece(n, i, j, out=gbuf)
-                    b = outer_step_piece(p[i:j], g, m[i:j] if n in had else None, lr, oc.momentum, oc.nesterov)
-                    if n not in had:
-                        m[i:j] = b
+                    fused.eager_mean_step(acc.sum[n][i:j], acc.total, p[i:j], m[i:j], oc.momentum, lr,
+                                          oc.nesterov, n in had, gbuf)
             done.add((n, i0))
             return n, i0, j0, stats
 
@@ -375,26 +380,27 @@ class OuterMaster:
                     for i in range(0, max(1, numel[n]), seg_len)]
         decay = res.decay
         local = threading.local()  # each lane's buffer for the codes and the decoded values
+        kern = fused.kernels() if codec.quantised else None
 
         def step_segment(seg) -> tuple[str, int, int, dict]:
             n, i0, j0 = seg
             theta, m = self.theta.tensors[n].view(-1)[i0:j0], self.momentum[n].view(-1)[i0:j0]
+            if kern is not None:  # one kernel, torch's bits (train/exchange/fused.py); None: a block that is not
+                # finite, nothing written, the eager ops below
+                with ph("outer step, encode the update (+ error feedback)"):
+                    if getattr(local, "vbuf", None) is None:
+                        local.vbuf, local.mbuf = (torch.empty(seg_len, dtype=torch.float32) for _ in range(2))
+                    stored = fused.coded_step(kern, codec, acc.sum[n][i0:j0], acc.total, theta, m,
+                                              res.error[n].view(-1)[i0:j0], oc, lr, n in had_m, n in had_e, decay,
+                                              local.vbuf, local.mbuf, n)
+                if stored is not None:
+                    return n, i0, j0, stored
             with ph("outer step, encode the update (+ error feedback)"):
-                if getattr(local, "buf", None) is None:  # this lane's: reused, no fresh pages per segment
-                    local.buf, local.g, local.new = (torch.empty(seg_len, dtype=torch.float32) for _ in range(3))
-                g = acc.mean_piece(n, i0, j0, out=local.g)
-                new = local.new[:j0 - i0].copy_(theta)
-                b = outer_step_piece(new, g, m if n in had_m else None, lr, oc.momentum, oc.nesterov)
-                if n not in had_m:
-                    m.copy_(b)
-                v = new.sub_(theta)  # the target θ* − θ_r
-                if n in had_e:
-                    e = res.error[n].view(-1)[i0:j0]
-                    v.add_(e if decay == 1.0 else e * decay)
-                stored, seen = codec.round_trip(n, v, local.buf)
-                if not codec.lossless:
-                    torch.sub(v, seen, out=res.error[n].view(-1)[i0:j0])
-                theta.add_(seen)
+                if getattr(local, "bufs", None) is None:  # this lane's: reused, no fresh pages per segment
+                    local.bufs = tuple(torch.empty(seg_len, dtype=torch.float32) for _ in range(3))
+                e = res.error[n].view(-1)[i0:j0] if n in res.error else None
+                stored = fused.eager_coded_step(codec, n, acc.sum[n][i0:j0], acc.total, theta, m, e, oc.momentum, lr,
+                                                oc.nesterov, n in had_m, n in had_e, decay, local.bufs)
             return n, i0, j0, stored
 
         specs: dict = {}
