@@ -3,6 +3,7 @@ commit) and the worker's two sides of it (last inner step -> delta published; co
 against its own I/O floor measured in the same run, with the breakdown of where the time goes.
 
     python bench/outer_step.py [--workers 2 8] [--repeats 3] [--codec none|int8|topk] [--small]
+    EDT_FUSED=0 python bench/outer_step.py ...   # the step with torch's ops, not the fused kernels (an A/B)
 
 The coordinator reduces on arrival (train/exchange/accumulate.py): each delta is read, checked (size, header, values,
 sha256) and added to a float64 sum when it is published, while the other workers still train. What is left after
@@ -359,7 +360,10 @@ def main() -> None:
         finally:
             shutil.rmtree(root, ignore_errors=True)
     shape = "small model" if args.small else "SmolLM2-135M shape"
-    print(f"\nouter step, {shape}, codec {args.codec}, {cores} cores, load average before / during: "
+    from train.exchange import fused
+
+    kernels = "fused kernels" if fused.kernels() is not None else "torch's ops"
+    print(f"\nouter step, {shape}, codec {args.codec}, {kernels}, {cores} cores, load average before / during: "
           f"{loads[0]} / {', '.join(loads[1:])}")
     print(table(rows, ["workers", "tail (last arrival -> commit)", "reduce all at the end", "tail's I/O floor",
                        "tail / floor (target <= 1.5x)", "its RAM floor", "tail / the larger floor"]))
@@ -383,6 +387,7 @@ def main() -> None:
         print(f"\ntail growth N={lo} -> N={hi}: {growth:.2f}x (target <= 1.2x){end_growth}")
         results["growth"] = growth
     results["load_average"] = loads
+    results["kernels"] = kernels
     suffix = ("" if args.codec == "none" else f"_{args.codec}") + ("_small" if args.small else "")
     save_result("outer_step" + suffix, {"args": vars(args), "results": results})
 

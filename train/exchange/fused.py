@@ -67,7 +67,8 @@ def coded_step(k: dict, codec, s: torch.Tensor, total: float, theta: torch.Tenso
     scales = torch.empty(-(-n // codec.block), dtype=torch.float32)
     ok = k["coded_step"](_np(s), float(total), _np(theta), _np(m), _np(e), float(oc.momentum), float(lr),
                          bool(oc.nesterov), bool(has_m), bool(has_e), float(decay), float(codec.qmax), codec.block,
-                         _np(codes), _np(scales), _np(vbuf[:n]), _np(mbuf[:n]))
+                         _np(codes), _np(scales), _np(vbuf[:n]), _np(mbuf[:n]), _np(vbuf[:n].view(torch.int32)),
+                         _np(scales.view(torch.int32)))
     if not ok:
         return None
     return {name: pack_int4(codes) if codec.name == "int4" else codes, name + SCALE: scales}

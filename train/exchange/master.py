@@ -105,6 +105,8 @@ class OuterMaster:
         # topk: every copy sums the sparse deltas itself: no update, no residual of ours, no momentum (SparseLoCo)
         self.sparse = bool(getattr(self.codec, "sparse", False))
         self.residual = Residual(self.codec) if self.codec is not None and not self.sparse else None
+        if not self.sparse:  # numba's import and the kernels' self-check now, not in round 0's tail (fused.py)
+            fused.kernels()
         if self.sparse and oc.momentum:
             log.info("outer.compression = topk: the outer step is θ − lr · mean (SparseLoCo); outer.momentum = %g is "
                      "not used (the workers' error feedback, outer.ef_decay = %g, plays its part)", oc.momentum,
