@@ -144,6 +144,52 @@ time.sleep(120)
             os.kill(child, signal.SIGKILL)
 
 
+CHILD = """
+import os, sys, threading
+sys.path.insert(0, {repo!r})
+from train.core.heartbeat import install_leave_handler
+install_leave_handler(lambda: None)
+stuck = threading.Thread(target=threading.Event().wait, daemon=True)  # a writer's job that never ends
+stuck.start()
+try:
+    open({pidfile!r}, "w").write(str(os.getpid()))
+    threading.Event().wait()  # training
+finally:
+    stuck.join()  # the unwinding's cleanup waits for it, as StreamingWriter's drain() waits for its writer thread
+"""
+
+PARENT = """
+import subprocess, sys, time
+sys.path.insert(0, {repo!r})
+from train.launch.procs import die_with_parent
+subprocess.Popen([sys.executable, "-c", {child!r}], preexec_fn=die_with_parent())
+time.sleep(120)
+"""
+
+
+def test_a_worker_whose_simulator_dies_exits_even_while_a_thread_holds_its_exit(tmp_path):
+    """The parent-death SIGTERM ends a worker at once, whatever its main thread is doing. Here the code it lands in
+    has a cleanup that waits for a thread that never ends (as a delta writer's drain() waits for its writer thread,
+    stuck on a queue whose lock the interrupted code held): unwinding with SystemExit hangs there for good, an
+    orphan holding the worker's lock against the rerun (found by tests/e2e/test_streaming.py's random kills in
+    CI: "worker 1 is already running")."""
+    pidfile, script = tmp_path / "child.pid", tmp_path / "parent.py"
+    child_code = CHILD.format(repo=str(REPO), pidfile=str(pidfile))
+    script.write_text(PARENT.format(repo=str(REPO), child=child_code))
+    sim = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    child = None
+    try:
+        wait_until(lambda: pidfile.is_file() and pidfile.read_text(), 60, "the worker started", sim)
+        child = int(pidfile.read_text())
+        sim.send_signal(signal.SIGKILL)
+        sim.wait(10)
+        wait_until(lambda: not _running(child), 60, "the orphaned worker gone")
+    finally:
+        kill_all([sim])
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
+
+
 def _parent(pid: int) -> int:
     """The parent of a process on this host (a worker's: its supervisor)."""
     with open(f"/proc/{pid}/stat") as f:

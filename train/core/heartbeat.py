@@ -249,12 +249,15 @@ def parent_died(ppid_at_start: int) -> bool:
 
 def install_leave_handler(get_heartbeat: Callable[[], "Heartbeat | None"]) -> None:
     """SIGTERM = leave: `get_heartbeat()` is the process's Heartbeat once there is one (None before: exit 0 now).
-    A SIGTERM that is the parent-death signal (its simulator was killed) exits 143 at once, as it always did."""
+    A SIGTERM that is the parent-death signal (its simulator was killed) exits 143 at once: os._exit, not SystemExit,
+    whose unwinding from wherever the signal landed can hang for good (a queue's lock the interrupted code held, a
+    lane thread the interpreter's exit joins: a worker orphaned so held its lock against the rerun). Every file a
+    worker writes appears atomically, so this leaves what a SIGKILL leaves, which a rerun resumes from."""
     ppid = os.getppid()
 
     def on_sigterm(signum, frame) -> None:
         if parent_died(ppid):
-            raise SystemExit(143)
+            os._exit(143)
         hb = get_heartbeat()
         if hb is None:
             raise SystemExit(0)

@@ -120,7 +120,8 @@ def supervise(argv: list[str], max_restarts: int, name: str = "worker") -> tuple
 
     def on_signal(signum, frame) -> None:
         if signum == signal.SIGTERM and parent_died(ppid):
-            raise SystemExit(143)  # the simulator died: so do we, at once; the child gets its own death signal
+            os._exit(143)  # the simulator died: so do we, at once (no unwinding that could hang: heartbeat.py's
+            # install_leave_handler says why); the child gets its own death signal
         stopped_by.append(signum)
         stop.set()
         if child and child[0].poll() is None:
