@@ -43,8 +43,8 @@ log = logging.getLogger("coordinator")
 RESIDUAL = "residual::"
 SEGMENT = 4 * CHUNK  # values of a tensor one lane steps at a time (the no-codec step, _step_full)
 # values one lane steps at a time with a dense codec (_step_coded), rounded down to whole pairs of the codec's blocks:
-# its ~12 passes stay in the core's cache and torch's float64 -> float32 mean needs no fresh temporary pages (3.6x
-# faster per value than 4M-value segments: docs/benchmarks.md, "Outer step")
+# its passes (the fused kernel's 3, torch's ~12) stay in the core's cache and torch's float64 -> float32 mean needs no
+# fresh temporary pages (3.6x faster per value than 4M-value segments: docs/benchmarks.md, "Outer step")
 CODED_SEGMENT = 1 << 18
 
 
@@ -361,8 +361,9 @@ class OuterMaster:
         the way while it is in cache: the mean's piece, the outer step (θ* and m_{r+1}), the target θ* − θ_r plus the
         residual, its encoding and decoding, the new residual, θ_{r+1} = θ_r + decode(u) in place; each encoded segment
         goes to the update file's writer (O_DIRECT) at once (a tensor's scales after its codes, as the file stores
-        them), and θ_{r+1}'s checksum is taken segment by segment. Element by element the same IEEE operations as _step
-        + θ + decode(u) (the codec's blocks never straddle a segment: coded_segment), so the same bits
+        them), and θ_{r+1}'s checksum is taken segment by segment. A block codec's segment is one fused kernel
+        (train/exchange/fused.py) where it runs. Element by element the same IEEE operations as _step, then
+        θ + decode(u) (the codec's blocks never straddle a segment: coded_segment), so the same bits
         (tests/unit/test_master_coded.py). Returns (the update file's checksum, its bytes, θ_{r+1}'s checksum)."""
         from train.core import digest
         from train.core.tensorio import tensor_bytes
