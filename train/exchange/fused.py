@@ -4,7 +4,8 @@ The eager step is 5 torch passes over the model without a codec (the mean's quot
 and ~15 with int8 / int4 (the step, the target θ* − θ, + the residual, |x|, the blocks' maxima, the scaling,
 rounding, clamping, the int8 cast and back, the decoded values, the new residual, θ + decode). On a CPU each pass is
 a trip through memory and a kernel launch, and the tail after the last arrival was their sum (docs/benchmarks.md,
-"Outer step"). The kernels here do the same IEEE operations value by value, in one loop:
+"Outer step"). The kernels here do the same IEEE operations value by value, in one loop without a codec and in
+three passes over a cache-sized segment with a block code (fused_kernels.py):
 
     g      = float32(S / total)                  the float64 quotient rounded once (torch.div(..., out=float32))
     m'     = fl(m · μ) + g                       m.mul_(μ).add_(g); μ, η rounded to float32 as torch's scalars are
