@@ -129,15 +129,21 @@ def late():
 subprocess.Popen([sys.executable, "-c", "import time; open({str(ran)!r}, 'w'); time.sleep(120)"], preexec_fn=late)
 time.sleep(120)
 """)
+    _kill_parent_and_wait_for_the_child(script, pidfile, 30, "the child forked", "the orphaned child gone")
+    assert not ran.exists()  # it exited in its preexec: the command never started
+
+
+def _kill_parent_and_wait_for_the_child(script, pidfile, timeout: float, started: str, gone: str) -> None:
+    """Run `script` (a simulator) in its own session; once its child wrote its pid to `pidfile`, SIGKILL the script
+    and wait for that child to be gone (whatever is left is killed after)."""
     sim = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
     child = None
     try:
-        wait_until(lambda: pidfile.is_file() and pidfile.read_text(), 30, "the child forked", sim)
+        wait_until(lambda: pidfile.is_file() and pidfile.read_text(), timeout, started, sim)
         child = int(pidfile.read_text())
         sim.send_signal(signal.SIGKILL)
         sim.wait(10)
-        wait_until(lambda: not _running(child), 30, "the orphaned child gone")
-        assert not ran.exists()  # it exited in its preexec: the command never started
+        wait_until(lambda: not _running(child), timeout, gone)
     finally:
         kill_all([sim])
         if _running(child):
@@ -176,18 +182,7 @@ def test_a_worker_whose_simulator_dies_exits_even_while_a_thread_holds_its_exit(
     pidfile, script = tmp_path / "child.pid", tmp_path / "parent.py"
     child_code = CHILD.format(repo=str(REPO), pidfile=str(pidfile))
     script.write_text(PARENT.format(repo=str(REPO), child=child_code))
-    sim = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
-    child = None
-    try:
-        wait_until(lambda: pidfile.is_file() and pidfile.read_text(), 60, "the worker started", sim)
-        child = int(pidfile.read_text())
-        sim.send_signal(signal.SIGKILL)
-        sim.wait(10)
-        wait_until(lambda: not _running(child), 60, "the orphaned worker gone")
-    finally:
-        kill_all([sim])
-        if _running(child):
-            os.kill(child, signal.SIGKILL)
+    _kill_parent_and_wait_for_the_child(script, pidfile, 60, "the worker started", "the orphaned worker gone")
 
 
 def _parent(pid: int) -> int:

@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import tiny_config
+from tests.helpers.master import master_at_round_0, two_deltas
 from train.config import build_config
-from train.core.model import build_model, save_model_dir
-from train.core.store import atomic_write_json
 from train.exchange import fused
 from train.exchange.codec import get_codec
 
@@ -122,31 +121,15 @@ def test_edt_fused_0_turns_the_kernels_off(monkeypatch, k):
 
 def _no_codec_rounds(root, monkeypatch, on: bool) -> list:
     """Three rounds of the coordinator's no-codec step (OuterMaster._step_full) on the micro model."""
-    from train.exchange.master import OuterMaster
-    from train.exchange.protocol import check_sidecar, commit, delta_sidecar, publish_sidecar, write_delta
-    from train.exchange.store import DiLoCoPaths
-    from train.exchange.theta import file_order
+    from train.exchange.protocol import commit
 
     if not on:
         monkeypatch.setenv("EDT_FUSED", "0")
     cfg = build_config(tiny_config(root, outer={"num_workers": 2, "rounds": 3, "momentum": 0.8, "lr": 0.6}))
-    paths = DiLoCoPaths(cfg.run_dir)
-    torch.manual_seed(0)
-    save_model_dir(build_model(cfg), paths.global_dir(0))
-    atomic_write_json(paths.committed(0), {"round": 0})
-    m = OuterMaster(paths, cfg.outer, 3)
-    m.resume(0)
-    names = file_order(paths.global_dir(0) / "model.safetensors")
+    m, paths, names = master_at_round_0(cfg, 3)
     out = []
     for r in range(3):
-        theta = {x: v.clone() for x, v in m.theta.tensors.items()}
-        acc = m.new_accumulator(r, 2)
-        for w in range(2):
-            g = torch.Generator().manual_seed(10 * r + w)
-            params = {x: theta[x] - torch.randn(theta[x].shape, generator=g) * 1e-2 for x in names}
-            f = write_delta(paths.delta_file(r, w), names, theta, params, m.delta_codec, r, w)
-            publish_sidecar(paths, delta_sidecar(r, w, f, inner_steps=5, tokens=100 + 7 * w, loss=1.0))
-            acc.add(w, check_sidecar(paths, r, w, m.delta_codec))
+        acc = two_deltas(m, paths, r, names)
         fields = m.step(r, acc)
         commit(paths, r + 1, {"workers": [0, 1], "checkpoint": True, "codec": "none"})
         out.append(((paths.global_dir(r + 1) / "model.safetensors").read_bytes(),

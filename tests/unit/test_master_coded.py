@@ -9,15 +9,13 @@ import pytest
 import torch
 
 from tests.helpers import tiny_config
+from tests.helpers.master import master_at_round_0, two_deltas
 from train.config import build_config
-from train.core.model import build_model, save_model_dir
-from train.core.store import atomic_write_json
 from train.core.tensorio import load_tensors
 from train.exchange import master as master_mod
 from train.exchange.master import OuterMaster
-from train.exchange.protocol import check_sidecar, commit, delta_sidecar, publish_sidecar, write_delta
+from train.exchange.protocol import commit
 from train.exchange.store import DiLoCoPaths
-from train.exchange.theta import file_order
 
 ROUNDS = 4  # checkpoints at rounds 2 and 4 (checkpoint_every 2, the last)
 
@@ -25,28 +23,15 @@ ROUNDS = 4  # checkpoints at rounds 2 and 4 (checkpoint_every 2, the last)
 def _run(root, codec: str, streamed: bool, monkeypatch, block: int = 128) -> tuple[list, OuterMaster, DiLoCoPaths]:
     cfg = build_config(tiny_config(root, outer={"compression": codec, "checkpoint_every": 2, "rounds": ROUNDS,
                                                 "num_workers": 2, "block_size": block}))
-    paths = DiLoCoPaths(cfg.run_dir)
-    torch.manual_seed(0)
-    save_model_dir(build_model(cfg), paths.global_dir(0))
-    atomic_write_json(paths.committed(0), {"round": 0})
     if streamed:  # segments of 256 values (two int8 blocks; fewer, whole pairs of blocks, for a block that does not
         # divide it): every tensor of the micro model spans several
         monkeypatch.setattr(master_mod, "CODED_SEGMENT", 256)
     else:
         monkeypatch.setattr(OuterMaster, "streams_coded", lambda self, r: False)
-    m = OuterMaster(paths, cfg.outer, ROUNDS)
-    m.resume(0)
-    names = file_order(paths.global_dir(0) / "model.safetensors")
+    m, paths, names = master_at_round_0(cfg, ROUNDS)
     out = []
     for r in range(ROUNDS):
-        theta = {k: v.clone() for k, v in m.theta.tensors.items()}
-        acc = m.new_accumulator(r, 2)
-        for w in range(2):
-            g = torch.Generator().manual_seed(10 * r + w)
-            params = {k: theta[k] - torch.randn(theta[k].shape, generator=g) * 1e-2 for k in names}
-            f = write_delta(paths.delta_file(r, w), names, theta, params, m.delta_codec, r, w)
-            publish_sidecar(paths, delta_sidecar(r, w, f, inner_steps=5, tokens=100 + 7 * w, loss=1.0))
-            acc.add(w, check_sidecar(paths, r, w, m.delta_codec))
+        acc = two_deltas(m, paths, r, names)
         fields = m.step(r, acc)
         commit(paths, r + 1, {"workers": [0, 1], **{k: fields[k] for k in ("update_sha256", "theta_sha256", "codec",
                                                                            "checkpoint")}})
