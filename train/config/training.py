@@ -239,6 +239,61 @@ class OuterConfig:
                                   "deadline): 0 = dropped; w > 0 = folded into round r + 1 with w x its tokens as "
                                   "its weight (a staleness weight; 0.5 was best in bench/elastic.py --late).")
 
+    round_time_s: float = doc(0.0, "Rounds by time (docs/hetero.md): 0 = off (every worker runs H = local_steps "
+                                   "inner steps a round). > 0: the coordinator gives each worker the H it can "
+                                   "train in this many seconds, from its measured speed (steps / second over its "
+                                   "last round; the first round, and a worker's first after joining, calibrate at "
+                                   "local_steps / 4), capped at local_steps; a worker that falls behind its plan "
+                                   "stops at 1.25 x this and publishes what it trained. The commit stays one outer "
+                                   "step per round. Not with fragments or local_steps_schedule.")
+    step_rates: dict = doc({}, "Rounds by time with given speeds instead of measured ones: {\"worker id\": inner "
+                               "steps per second}, e.g. {\"0\": 20, \"1\": 10} (every worker of the run listed). "
+                               "The plan is then fixed and the workers run exactly their H (no deadline), so a run "
+                               "reproduces bit for bit; for tests and for machines whose speeds are known.")
+    weighting: Literal["tokens", "equal", "per_step"] = doc(
+        "tokens", "How the outer step weighs unequal deltas (rounds by time): tokens (each delta by its tokens), equal "
+        "(plain mean) or per_step (each delta scaled to a common H, the harmonic mean of the round's: weights "
+        "1 / tokens). tokens by evidence: bench/hetero.py, docs/hetero.md. token_weighted = false means equal.")
+
+    @property
+    def paced(self) -> bool:
+        """Rounds by time (round_time_s > 0): each worker's H comes from its speed (train/diloco/pace.py)."""
+        return self.round_time_s > 0
+
+    @property
+    def delta_weighting(self) -> str:
+        """tokens / equal / per_step: `weighting`, or equal when token_weighted is off."""
+        return self.weighting if self.token_weighted else "equal"
+
+    def validate_pace(self, p: str) -> None:
+        check_range(self, p, "round_time_s", 0.0)
+        check_choice(self, p, "weighting")
+        if not self.token_weighted and self.weighting != "tokens":
+            raise bad_value(p + "weighting", self.weighting, f"conflicts with {p}token_weighted = false (equal "
+                                                             f"weights): drop one of the two")
+        rates = self.step_rates
+        if not isinstance(rates, dict) or not all(
+                str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                for k, v in rates.items()):
+            raise bad_value(p + "step_rates", rates, "must map worker ids to inner steps per second > 0, e.g. "
+                                                     "{\"0\": 20, \"1\": 10}")
+        if rates and not self.paced:
+            raise bad_value(p + "step_rates", rates, f"is only used with rounds by time: set {p}round_time_s > 0")
+        if rates and (missing := [w for w in range(self.num_workers) if str(w) not in {str(k) for k in rates}]):
+            raise bad_value(p + "step_rates", rates, f"has no rate for worker(s) {missing}: list every one of the "
+                                                     f"{self.num_workers} workers ({p}num_workers)")
+        if not self.paced:
+            return
+        if self.fragments > 1:
+            raise bad_value(p + "round_time_s", self.round_time_s, f"does not combine with {p}fragments > 1 "
+                                                                   f"(streaming DiLoCo syncs fragments on a fixed "
+                                                                   f"step clock): set one of them back (0 / 1)")
+        if self.local_steps_schedule:
+            raise bad_value(p + "round_time_s", self.round_time_s, f"does not combine with {p}local_steps_schedule "
+                                                                   f"(the H of each round comes from the workers' "
+                                                                   f"speeds): drop the schedule; {p}local_steps is "
+                                                                   f"the cap")
+
     def local_steps_at(self, r: int) -> int:
         """H of round r (local_steps_schedule, else local_steps)."""
         H = self.local_steps
@@ -316,6 +371,7 @@ class OuterConfig:
             raise bad_value(p + "overlap", self.overlap,
                             f"does not combine with streaming DiLoCo ({p}fragments / fragment_delay / "
                             f"fragment_mix): {p}fragment_delay is its overlap; set {p}overlap = \"none\"")
+        self.validate_pace(p)
         check_range(self, p, "block_size", 8, 1 << 20)
         check_range(self, p, "checkpoint_every", 1)
         if self.block_size % 2:

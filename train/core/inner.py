@@ -194,7 +194,12 @@ class InnerTrainer:
         # Micro-batches per step on this rank; DDP skips the gradient all-reduce on all but the last of them.
         self.accum = ic.total_batch_size // (ic.per_device_batch_size * self.dist.world)
         self._no_sync = getattr(wrapped, "no_sync", None)
-        self.step = 0  # inner steps taken so far (drives the schedule)
+        self.step = 0  # the position on the learning-rate schedule: inner steps taken so far, unless a caller sets it
+        # how far one step moves `step`, and the schedule's length (None: cfg.total_inner_steps). The DiLoCo worker
+        # sets all three each round from the data layout: the schedule counts the run's windows per slot, not the
+        # worker's own steps (train/diloco/pace.py schedule_for)
+        self.step_size: float = 1
+        self.total_steps: float | None = None
 
     # -- optimizers and schedule ----------------------------------------------------------------------------------
     def weight_decay(self, peak_lr: float) -> float:
@@ -225,7 +230,11 @@ class InnerTrainer:
     def lr(self) -> float:
         """AdamW's learning rate at the current step."""
         ic = self.cfg.inner
-        return lr_at(self.step, ic.lr, ic.warmup_steps, self.cfg.total_inner_steps, ic.min_lr_ratio)
+        return lr_at(self.step, ic.lr, ic.warmup_steps, self.schedule_length, ic.min_lr_ratio)
+
+    @property
+    def schedule_length(self) -> float:
+        return self.total_steps if self.total_steps is not None else self.cfg.total_inner_steps
 
     def _set_lrs(self) -> None:
         ic = self.cfg.inner
@@ -233,7 +242,7 @@ class InnerTrainer:
             for group in self.opt.param_groups:
                 group["lr"] = self.lr()
         if self.muon is not None:  # the same warmup + cosine, from Muon's own peak
-            lr = lr_at(self.step, ic.muon_lr, ic.warmup_steps, self.cfg.total_inner_steps, ic.min_lr_ratio)
+            lr = lr_at(self.step, ic.muon_lr, ic.warmup_steps, self.schedule_length, ic.min_lr_ratio)
             for group in self.muon.param_groups:
                 group["lr"] = lr
 
@@ -251,17 +260,22 @@ class InnerTrainer:
 
     def train_steps(self, next_batch: Callable[[int], torch.Tensor], n_steps: int,
                     on_step: Callable[[int, float | None], None] | None = None,
-                    before_step: Callable[[int], None] | None = None) -> dict:
+                    before_step: Callable[[int], None] | None = None, stop_at: float | None = None) -> dict:
         """Run `n_steps` optimizer steps; `on_step(i, loss)` is called after each, with the last training loss read
         back to the host (a float, refreshed every inner.log_every steps; None before the first read-back), so no
         step waits for the device. The returned statistics are exact: every step's loss stays on the device and is
-        read once, at the end. `before_step(i)` is called before step i (the overlapped fold)."""
+        read once, at the end. `before_step(i)` is called before step i (the overlapped fold). `stop_at`: a
+        time.perf_counter() deadline: no step starts after it (at least one runs); `steps` says how many ran."""
         ic = self.cfg.inner
         accum = self.accum
         losses = torch.zeros(n_steps, device=self.device)
         readback = _LossReadback(ic.log_every, self.device)
         t0 = time.perf_counter()
+        done = n_steps
         for i in range(n_steps):
+            if stop_at is not None and i > 0 and time.perf_counter() >= stop_at:
+                done = i
+                break
             if before_step is not None:
                 before_step(i)
             self._set_lrs()
@@ -285,14 +299,16 @@ class InnerTrainer:
             self.scaler.update()
             for opt in self.opts:
                 opt.zero_grad(set_to_none=True)
-            self.step += 1
+            self.step += self.step_size
             losses[i] = step_loss
             if on_step:
                 on_step(i, readback.update(i, step_loss))
-        n_tokens = n_steps * ic.total_batch_size * self.cfg.data.seq_length  # the whole worker's (all ranks)
-        losses = all_mean(losses, self.dist).cpu()  # each rank's loss covers its slice; the group mean is the step's
-        return {"loss": float(losses.mean()) if n_steps else float("nan"), "last_loss": float(losses[-1]),
-                "steps": n_steps, "tokens": n_tokens, "seconds": time.perf_counter() - t0}
+        n_tokens = done * ic.total_batch_size * self.cfg.data.seq_length  # the whole worker's (all ranks)
+        # each rank's loss covers its slice; the group mean is the step's
+        losses = all_mean(losses[:done], self.dist).cpu()
+        return {"loss": float(losses.mean()) if done else float("nan"),
+                "last_loss": float(losses[-1]) if done else float("nan"),
+                "steps": done, "tokens": n_tokens, "seconds": time.perf_counter() - t0}
 
     # -- optimizer state as safetensors + JSON --------------------------------------------------------------------
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
@@ -343,6 +359,7 @@ class InnerTrainer:
                     # fused AdamW keeps its step count on the parameter's device
                     "step": torch.tensor(step, dtype=torch.float32, device=p.device) if fused else torch.tensor(step),
                 }
-        self.step = int(extra.get("step", 0))
+        step = extra.get("step", 0)
+        self.step = int(step) if float(step).is_integer() else float(step)
         if extra.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(extra["scaler"])

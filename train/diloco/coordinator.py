@@ -27,12 +27,13 @@ from train.core.model import (build_model, check_model_fits, load_tokenizer, loa
                               save_model_dir)
 from train.exchange.accumulate import Accumulator
 from train.exchange.expect import Closing, Expect
-from train.exchange.layout import Layout
+from train.exchange.layout import Layout, per_slot
 from train.exchange.master import OuterMaster
 from train.exchange.membership import Membership, workers_alive
 from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
 from train.exchange.reduce import arrived, prune_rounds
 from train.exchange.screen import STREAK, screen_round
+from train.diloco.pace import Pace, describe
 from train.diloco.policy import for_config
 from train.status.recorder import TimelineRecorder
 from train.core.store import (
@@ -91,6 +92,8 @@ class Coordinator:
         self._last_rec: dict | None = None  # the last record logged (read from metrics.jsonl once, on a resume)
         # outer.overlap (docs/overlap.md); the coordinator asks it how far past the latest commit workers may train
         self.overlap = for_config(cfg.outer)
+        # outer.round_time_s: each worker's H from its speed (train/diloco/pace.py), planned into the data layout
+        self.pace = Pace(cfg.outer, cfg.inner.total_batch_size)
         self.lease = NO_LEASE  # its lease (train/core/coordinator_lease.py), started by setup() once it holds the lock
         # timeline.jsonl each round, timeline.png redrawn in the background (train/status/recorder.py)
         self.timeline = TimelineRecorder(self.paths.root, cfg.logging.plot, title=f"{cfg.project_name}: DiLoCo")
@@ -170,15 +173,23 @@ class Coordinator:
         N = oc.num_workers
         self._free_round = latest  # the first round no worker may have started (follow_schedule starts there)
         if lay is None:
-            lay = Layout.single(N, self.round_windows(0))
+            lay = Layout.single(N, self.pace.windows(N) if oc.paced else self.round_windows(0))
+            if oc.paced:
+                lay.segments[0]["why"] = f"start: {N} workers, rounds by time ({self.describe_plan(lay, 0)})"
             if latest > 0:  # a run from before data layouts: its first segment starts here
                 lay.resize(latest, N, self.round_windows(latest),
                            f"resume at round {latest} (run started before data layouts)")
             lay.save(paths)
             return lay
         start = self._free_round = self.first_free_round(lay, latest)
-        W = self.round_windows(start)
-        if N == lay.config_workers and W == lay.segment(start)["windows"]:
+        if oc.paced:  # the plan it had (the speeds it learned) for its workers; new ones calibrate
+            self.pace.learn_from(lay, start)
+            W = self.pace.windows(N)
+            same = per_slot(lay.segment(start)) == W
+        else:
+            W = self.round_windows(start)
+            same = W == lay.segment(start)["windows"]
+        if N == lay.config_workers and same:
             return lay
         why = (f"resume: outer.num_workers {lay.config_workers} -> {N}" if N != lay.config_workers else
                f"resume: {W} windows per worker and round (was {lay.segment(start)['windows']})")
@@ -219,7 +230,8 @@ class Coordinator:
             return
         start = max(r + 1 + self.overlap.rounds_ahead, lay.last["from_round"])
         slots = lay.last["slots"] + len(joiners)
-        lay.resize(start, slots, self.round_windows(start), f"join: worker(s) {joiners} at round {start}")
+        windows = self.pace.windows(slots) if self.cfg.outer.paced else self.round_windows(start)
+        lay.resize(start, slots, windows, f"join: worker(s) {joiners} at round {start}")
         lay.save(self.paths)
         self.membership.join_from = slots
         log.info("workers %s join the run at round %d (%d workers from then on)", joiners, start, slots)
@@ -229,6 +241,8 @@ class Coordinator:
         commit; lo: the first no worker may have started, default upto) their H x batch windows, with a new layout
         segment where the H changes. Called before each commit, so every round's H is in the layout before anyone
         can start it; a round of an existing later segment keeps it (a resume that moved the layout further)."""
+        if self.cfg.outer.paced:  # rounds by time: the H of each round come from the workers' speeds (replan)
+            return
         lay, changed = self.layout, False
         for q in range(upto if lo is None else lo, upto + 1):
             W = self.round_windows(q)
@@ -241,6 +255,23 @@ class Coordinator:
                      self.cfg.outer.local_steps_at(q), q)
         if changed:
             lay.save(self.paths)
+
+    def replan(self, q: int) -> None:
+        """Rounds by time, at the commit before round q can start: a new plan from q when some worker's speed moved
+        (train/diloco/pace.py; the rates of the round just collected are in)."""
+        lay = self.layout
+        q = max(q, lay.last["from_round"])
+        cur = per_slot(lay.segment(q))
+        new = self.pace.replan(cur)
+        if new is None:
+            return
+        lay.resize(q, len(cur), new, f"rounds by time: {describe(new, self.cfg.inner.total_batch_size)}")
+        lay.save(self.paths)
+        log.info("rounds by time: from round %d %s (outer.round_time_s = %g)", q,
+                 describe(new, self.cfg.inner.total_batch_size), self.cfg.outer.round_time_s)
+
+    def describe_plan(self, lay: Layout, r: int) -> str:
+        return describe(per_slot(lay.segment(r)), self.cfg.inner.total_batch_size)
 
     def expected(self, r: int) -> tuple[int, int]:
         """(slots of round r, workers awaited in round r): rounds of an older segment before a shrink do not wait
@@ -273,15 +304,15 @@ class Coordinator:
         from tqdm import tqdm
 
         oc = self.cfg.outer
-        H = oc.round_steps_at(r)
         slots, N = self.expected(r)
+        Hs = [self.layout.windows_of(r, w) // self.cfg.inner.total_batch_size for w in range(N)]  # each one's H
         self.membership.set_workers(N)
         self.lease.set("collecting", round=r)
         acc = self.master.new_accumulator(r, N)
         rejected: dict[int, str] = {}
         t0 = time.monotonic()
         t_last = time.perf_counter()
-        bar = tqdm(total=N * H, desc=f"round {r + 1}/{oc.rounds} inner steps", unit="step", leave=False,
+        bar = tqdm(total=sum(Hs), desc=f"round {r + 1}/{oc.rounds} inner steps", unit="step", leave=False,
                    disable=not self.progress, dynamic_ncols=True)
         warned, shown = False, -1
         d, t_leases = None, 0.0
@@ -308,7 +339,8 @@ class Coordinator:
                     log.error("round %d: rejected delta of worker %d: %s", r, w, e.reason)
                 t_last = time.perf_counter()
             self.fold_late(r, acc)
-            done_steps = min(N * H, sum(H if w in got else self._worker_step(w, r) for w in range(N)))
+            done_steps = min(sum(Hs), sum(Hs[w] if w in got else min(Hs[w], self._worker_step(w, r))
+                                          for w in range(N)))
             if done_steps != bar.n or len(got) != shown:
                 bar.n, shown = done_steps, len(got)
                 bar.set_postfix_str(f"deltas {len(got)}/{N}")  # refreshes the bar
@@ -485,8 +517,20 @@ class Coordinator:
             record["tokens"] += sum(v["tokens"] for v in late.values())
             record["data"].update({f"w{w:03d}@{r - 1}": [m["data"]["offset"], m["data"]["read"]]
                                    for w, m in acc.late.items()})
+        skipped = {f"w{w:03d}": int(m["data"]["windows"]) - int(m["data"]["read"]) for w, m in sorted(metas.items())
+                   if int(m["data"].get("windows", 0)) > int(m["data"]["read"])}
+        if skipped:  # stopped by their deadline (rounds by time): windows nobody trains in this epoch
+            record["skipped"] = skipped
+        record["skipped_windows"] = int((self._last_metrics() or {}).get("skipped_windows", 0)) + sum(skipped.values())
+        if oc.paced:
+            self.pace.observe(metas)
+            record["planned_steps"] = {f"w{w:03d}": self.layout.windows_of(r, w) // self.cfg.inner.total_batch_size
+                                       for w in range(self.layout.slots(r))}
         self.admit_joiners(r)
-        self.follow_schedule(r + 1 + self.overlap.rounds_ahead)
+        if oc.paced:
+            self.replan(r + 1 + self.overlap.rounds_ahead)
+        else:
+            self.follow_schedule(r + 1 + self.overlap.rounds_ahead)
         t3 = time.perf_counter()
         record["tail_s"] = round(t3 - t_last, 3)  # last arrival -> committing
         self.lease.set("committing", round=r)
@@ -651,6 +695,9 @@ def config_summary(cfg: RunConfig) -> str:
     oc = cfg.outer
     H = f"H={oc.local_steps}" if not oc.local_steps_schedule else \
         "H=" + ", ".join(f"{h} from round {r}" for r, h in oc.local_steps_schedule)
+    if oc.paced:
+        H = (f"rounds by time ({oc.round_time_s:g} s, each worker's H from its speed, at most {oc.local_steps}; "
+             f"deltas weighted by {oc.delta_weighting})")
     if oc.fragments > 1:
         H += f" in {oc.fragments} fragments (a round syncs one: {oc.round_steps_at(0)} steps; τ = " \
              f"{oc.fragment_delay}, α = {oc.fragment_mix:g})"

@@ -48,6 +48,7 @@ from train.core.inner import InnerTrainer
 from train.core.background import OneSlot
 from train.core.coordinator_lease import CoordinatorWatch
 from train.core.heartbeat import Heartbeat
+from train.diloco.pace import GRACE, schedule_for
 from train.diloco.policy import for_config
 from train.diloco.resume import ResumeState
 from train.exchange.codec import Residual
@@ -140,6 +141,11 @@ class Worker(ResumeState):
         self.residual = Residual(self.delta_codec, undo=sync) if cfg.outer.compression != "none" else None
         self.theta = GlobalTheta(self.paths, self.back_codec, cfg.outer.fragments) if main else None
         self.overlap = for_config(cfg.outer)  # none / delayed / eager: where a segment starts, its hand-off
+        # rounds by time with measured speeds: no step starts after GRACE x round_time_s (not in a torchrun group,
+        # whose ranks would have to agree on the step; nor with given rates, whose plan is exact)
+        oc = cfg.outer
+        self.deadline_s = GRACE * oc.round_time_s if oc.paced and not oc.step_rates and not self.dist.enabled \
+            else None
         self.snap = OneSlot("state-snapshot")    # the state snapshot, written in the background
         self.trained = -1  # the last round this process trained (its publication may still be in flight)
         self._latest: int | None = None  # the last committed round seen (later lookups start from it)
@@ -305,11 +311,12 @@ class Worker(ResumeState):
     def train_round(self, r: int, replay: bool = False) -> None:
         """Segment r (steps 1-5 above; with overlap docs/overlap.md): start it where the overlap policy says, train
         its H inner steps on our slice of round r's data, hand the delta over."""
-        H = self.cfg.outer.round_steps_at(r)
+        data = self.data_slice(r)  # our slice of round r's stream: its length is our H (train/diloco/pace.py)
+        H = data["windows"] // self.cfg.inner.total_batch_size
         seg = self.overlap.begin(self, r, H, replay)  # the model at the segment's start; what Δ is taken against
         # fresh moments this segment (not the reset_state variant, where every worker's are): the sidecar says so
         fresh, self.fresh_moments = self.fresh_moments and not self.cfg.inner.reset_state, False
-        data, stats = self.train_segment(r, H, seg, replay)
+        stats = self.train_segment(r, H, seg, replay, data)
         fields = seg.end(stats)  # (a fold not done yet comes in now)
         if self.dist.enabled:
             # FSDP2 shards are gathered (a collective: every rank takes part); DDP copies are already whole.
@@ -319,15 +326,21 @@ class Worker(ResumeState):
                 return
         else:
             params, opt_tensors = dict(self.trainer.model.named_parameters()), None
-        log.info("round %d: %d steps, loss %.4f (last %.4f), %.0f tok/s%s", r, H, stats["loss"], stats["last_loss"],
-                 stats["tokens"] / max(stats["seconds"], 1e-9), " (replay)" if replay else "")
-        meta = {"inner_steps": H, "tokens": stats["tokens"], "loss": stats["loss"], "last_loss": stats["last_loss"],
+        done = stats["steps"]
+        log.info("round %d: %s steps, loss %.4f (last %.4f), %.0f tok/s%s", r,
+                 done if done == H else f"{done} of {H} (outer.round_time_s x {GRACE:g} reached)", stats["loss"],
+                 stats["last_loss"], stats["tokens"] / max(stats["seconds"], 1e-9), " (replay)" if replay else "")
+        meta = {"inner_steps": done, "planned_steps": H, "tokens": stats["tokens"], "loss": stats["loss"],
+                "last_loss": stats["last_loss"],
                 "train_seconds": stats["seconds"], "load_seconds": seg.load_s, "processes": self.dist.world,
                 "trained_at": time.time(), **fields, **({"fresh_moments": True} if fresh else {})}
         self.overlap.hand_off(self, r, seg.base, params, opt_tensors, meta, data, replay)
 
-    def train_segment(self, r: int, H: int, seg, replay: bool) -> tuple[dict, dict]:
-        """H inner steps on our slice of round r's data (the layout's); returns the slice and train_steps' stats."""
+    def train_segment(self, r: int, H: int, seg, replay: bool, data: dict) -> dict:
+        """H inner steps on our slice of round r's data (the layout's), at the run's place on the learning-rate
+        schedule; returns train_steps' stats. With rounds by time (measured speeds, one process) no step starts
+        after GRACE x outer.round_time_s: a worker that slowed down publishes what it trained (train/diloco/pace.py);
+        a replay runs the steps its delta had."""
         main = self.dist.main
         status = "replaying" if replay else "training"
 
@@ -340,9 +353,15 @@ class Worker(ResumeState):
             self.hb.beat(force=not self.overlap.trains_ahead, status=status, round=r, step=0, steps=H)
         if self.cfg.inner.reset_state:  # the paper's "reset" variant: fresh inner moments every round (replays too)
             self.trainer.reset_optimizer_state()
-        data = self.data_slice(r)
         self.sampler.begin(data["offset"], data["windows"])
-        return data, self.trainer.train_steps(self.batches.next_batch, H, on_step, before_step=seg.before_step)
+        tr = self.trainer
+        tr.step, tr.step_size, tr.total_steps = data["schedule"]
+        stop_at = None
+        if replay:  # the steps its delta had (fewer than H where the deadline stopped it)
+            H = int(self.state.get("steps_of", {}).get(str(r), H))
+        elif self.deadline_s:
+            stop_at = time.perf_counter() + self.deadline_s
+        return tr.train_steps(self.batches.next_batch, H, on_step, before_step=seg.before_step, stop_at=stop_at)
 
     def deliver(self, r: int, theta_r: dict, params: dict, opt_tensors: dict | None, meta: dict, data: dict,
                 replay: bool) -> None:
@@ -402,6 +421,11 @@ class Worker(ResumeState):
         sidecar["position"] = position
         sidecar["data"] = {**data, "read": position - data["offset"]}
         self.state.update(round_done=r, position=position, sidecar=sidecar, **extra)
+        steps = {k: v for k, v in self.state.get("steps_of", {}).items() if int(k) > r - 8}
+        if meta["inner_steps"] != meta.get("planned_steps", meta["inner_steps"]):  # stopped by its deadline:
+            # a replay runs as many steps
+            steps[str(r)] = meta["inner_steps"]
+        self.state["steps_of"] = steps
         if "fold_step" in meta:  # where segment r folded θ_r in: a replay must fold it in at the same step
             folds = {k: v for k, v in self.state.get("fold_steps", {}).items() if int(k) > r - 8}
             self.state["fold_steps"] = {**folds, str(r): meta["fold_step"]}
@@ -416,12 +440,13 @@ class Worker(ResumeState):
             if lay is None:
                 raise ProtocolError(f"{Layout.path(self.paths)} is missing (the coordinator writes it at round 0)")
             offset, windows = lay.slice(r, self.w)
-            need = self.cfg.outer.round_steps_at(r) * self.cfg.inner.total_batch_size
-            if need > windows:
-                raise ConfigError(f"worker {self.w} would read {need} windows in round {r} (outer.local_steps x "
-                                  f"inner.total_batch_size) but the run gives each worker {windows}: start it with "
-                                  f"the coordinator's values")
-            out = {"segment": lay.index(r), "offset": offset, "windows": windows}
+            batch = self.cfg.inner.total_batch_size
+            if windows % batch:
+                raise ConfigError(f"worker {self.w}: round {r} gives it {windows} windows, not a whole number of "
+                                  f"inner steps of inner.total_batch_size = {batch} windows: start it with the "
+                                  f"coordinator's inner.total_batch_size")
+            out = {"segment": lay.index(r), "offset": offset, "windows": windows,
+                   "schedule": schedule_for(lay, r, self.w, self.cfg)}
         return broadcast_json(out, self.dist, self.device)
 
     def publish_pending(self, r: int) -> None:

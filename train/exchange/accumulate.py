@@ -120,8 +120,20 @@ class _Decoded:
             return self.codec.decode_range(self.name, self.stored, self.n, sl.start, sl.stop, buf)
 
 
+def delta_weight(tokens: int, weighting: "bool | str") -> float:
+    """A delta's weight a_w in the mean Σ a_w Δ_w / Σ a_w, by outer.weighting: "tokens" (or True) its tokens, "equal"
+    (or False) 1, "per_step" 1 / its tokens (each delta scaled to the harmonic mean H of the round: with unequal H a
+    delta of 2H steps is about twice one of H, docs/hetero.md)."""
+    mode = weighting if isinstance(weighting, str) else ("tokens" if weighting else "equal")
+    if mode == "tokens":
+        return float(tokens)
+    if mode == "per_step":
+        return 1.0 / max(1.0, float(tokens))
+    return 1.0
+
+
 class Accumulator:
-    """Σ_w a_w Δ_w over the accepted deltas of round r (a_w = tokens, or 1 without token weighting)."""
+    """Σ_w a_w Δ_w over the accepted deltas of round r (a_w = delta_weight: tokens, 1, or 1 / tokens)."""
 
     def __init__(self, paths: DiLoCoPaths, r: int, shapes: dict[str, tuple], codec: Codec, token_weighted: bool,
                  screen: bool = False, phases=None, expected: int = 1):
@@ -281,8 +293,8 @@ class Accumulator:
 
     # -- the last delta of a round, added inside the outer step (OuterMaster.step's `last`) ---------------------------
     def weight_of(self, meta: dict) -> float:
-        """An on-time delta's weight a_w (its tokens, or 1 without token weighting)."""
-        return float(meta["tokens"]) if self.token_weighted else 1.0
+        """An on-time delta's weight a_w (delta_weight)."""
+        return delta_weight(meta["tokens"], self.token_weighted)
 
     def open_delta(self, w: int, meta: dict, late: bool = False) -> PipelinedReader:
         """Worker w's delta of this round (`late`: its late one of round r - 1) opened for reading tensor by tensor,

@@ -122,12 +122,12 @@ class OuterMaster:
         if self.sparse:
             from train.exchange.sparse import SparseAccumulator
 
-            acc = SparseAccumulator(self.paths, r, self.frags.shapes(r), self.delta_codec, self.oc.token_weighted,
+            acc = SparseAccumulator(self.paths, r, self.frags.shapes(r), self.delta_codec, self.oc.delta_weighting,
                                     screen=screen, expected=expected)
             acc.phases = self.phases
             acc.decode_on_arrival = True  # the commit after the last delta decodes that one alone
             return acc
-        return Accumulator(self.paths, r, self.frags.shapes(r), self.delta_codec, self.oc.token_weighted,
+        return Accumulator(self.paths, r, self.frags.shapes(r), self.delta_codec, self.oc.delta_weighting,
                            screen=screen, phases=self.phases, expected=expected)
 
     def is_checkpoint_round(self, r: int) -> bool:
@@ -501,7 +501,9 @@ class OuterMaster:
             from train.exchange.sparse import sparse_step
 
             lr = outer_lr_at(r, self.oc) if lr is None else lr
-            fields["sparse_step"] = {"lr": lr, "token_weighted": bool(self.oc.token_weighted)}
+            # the weighting every copy of θ applies (a bool in runs from before outer.weighting)
+            w = self.oc.delta_weighting
+            fields["sparse_step"] = {"lr": lr, "token_weighted": {"tokens": True, "equal": False}.get(w, w)}
             with self.phases("sums of the sparse deltas, outer step"):
                 stored, new_theta = {}, dict(self.theta.tensors)
 

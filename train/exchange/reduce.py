@@ -21,6 +21,7 @@ import torch
 from train.core import sharedfs
 from train.core.errors import ProtocolError
 from train.core.model import WEIGHTS
+from train.exchange.accumulate import delta_weight
 from train.exchange.protocol import CHECKSUM_DIFFERS, RejectedDelta, check_sidecar
 from train.core.store import atomic_publish_dir, new_tmp_dir, write_manifest
 from train.exchange.store import DiLoCoPaths
@@ -139,7 +140,7 @@ def validate_and_reduce(paths: DiLoCoPaths, r: int, workers: list[int], *, delta
         if len(ok) < min_workers:
             raise ProtocolError(f"round {r}: only {len(ok)} valid deltas (min_workers = {min_workers}); "
                                 f"rejected: {rejected}. Fix the workers and rerun: the run resumes here.")
-        weights = [float(metas[w]["tokens"]) if token_weighted else 1.0 for w in ok]
+        weights = [delta_weight(metas[w]["tokens"], token_weighted) for w in ok]
         try:
             io = reduce_round(paths, r, ok, metas, weights, update, state_specs)
             return ok, metas, rejected, io

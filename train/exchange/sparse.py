@@ -38,7 +38,7 @@ import torch
 
 from train.core.phases import NO_PHASES
 from train.core.store import RunPaths
-from train.exchange.accumulate import read_checked_delta
+from train.exchange.accumulate import delta_weight, read_checked_delta
 from train.exchange.codec import CodecError
 
 IDX, VAL, SCALE = "::idx", "::val", "::scale"
@@ -319,7 +319,7 @@ class SparseAccumulator:
     def add(self, w: int, meta: dict, late_weight: float | None = None) -> None:
         late = late_weight is not None
         stored = read_checked_delta(self, self.r - 1 if late else self.r, w, meta)
-        a = (float(meta["tokens"]) if self.token_weighted else 1.0) * (late_weight if late else 1.0)
+        a = delta_weight(meta["tokens"], self.token_weighted) * (late_weight if late else 1.0)
         key = (int(late), w)
         self.stored[key] = (a, stored)
         self._sel.pop(key, None)

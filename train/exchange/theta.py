@@ -182,7 +182,7 @@ class GlobalTheta:
         if not isinstance(step, dict):
             raise ProtocolError(f"{self.paths.committed(k)}: no sparse_step (outer lr) in the commit record of a "
                                 f"topk run: written by another version? Restart the run with this version")
-        acc = SparseAccumulator(self.paths, k - 1, self.frags.shapes(k - 1), self.codec, bool(step["token_weighted"]))
+        acc = SparseAccumulator(self.paths, k - 1, self.frags.shapes(k - 1), self.codec, step["token_weighted"])
         try:
             for q, w, late in ins:
                 acc.add(w, check_sidecar(self.paths, q, w, self.codec, acc.shapes), late_weight=late)
