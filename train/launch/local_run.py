@@ -51,9 +51,11 @@ def coordinator_command(strat: Strategy, config_path: str, overrides: list[str])
 
 
 def run_local(strat: Strategy, cfg: RunConfig, config_path: str | Path, overrides: list[str],
-              threads: int = 0, max_restarts: int | None = None) -> tuple[dict, RunPaths]:
+              threads: int = 0, max_restarts: int | None = None,
+              slow: dict | None = None) -> tuple[dict, RunPaths]:
     """Run `strat` on this machine until the coordinator finishes; returns (its last metrics record, the run's
-    paths). `max_restarts`: restarts per process after a failure (None: outer.max_restarts)."""
+    paths). `max_restarts`: restarts per process after a failure (None: outer.max_restarts). `slow`: workers held
+    to a fraction of full speed (train/launch/throttle.py)."""
     paths = RunPaths(prepare_run_dir(cfg.run_dir, cfg.source))
     config_path = str(Path(config_path).resolve())  # the same file for every child, wherever they start
     n = cfg.outer.num_workers
@@ -65,9 +67,13 @@ def run_local(strat: Strategy, cfg: RunConfig, config_path: str | Path, override
     coordinator = LocalProcess("the coordinator", coordinator_command(strat, config_path, overrides), None,
                                child_env(), restarts)
     wait_lock_free(paths.root / "coordinator.lock")  # an earlier simulator's coordinator, killed, on its way out
+    from train.exchange.store import DiLoCoPaths
+    from train.launch.throttle import Throttle
+    throttle = Throttle(slow or {}, workers.workers, DiLoCoPaths(paths.root))
     try:
         coordinator.start()
         workers.start()  # they import torch while the coordinator prepares the data and round / generation 0
+        throttle.start()
         log.info("started the coordinator (pid %d) and %d worker processes (logs: %s; restarts per process: %d)",
                  coordinator.pid, n, paths.logs, restarts)
         stall = Stall(paths)
@@ -84,6 +90,7 @@ def run_local(strat: Strategy, cfg: RunConfig, config_path: str | Path, override
             log.warning("workers did not exit within 60s of the last %s; stopping them", strat.title)
         workers.check()
     finally:
+        throttle.stop()  # (a stopped process would hold its SIGTERM until continued)
         stop_all([coordinator, *workers.workers])
     recs = read_jsonl(paths.metrics)
     return (recs[-1] if recs else {}), paths

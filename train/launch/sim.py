@@ -19,14 +19,22 @@ def sim_main(strategy: str, doc: str) -> int:
     ap.add_argument("--max-restarts", type=int, default=None, metavar="N",
                     help="restart a process that dies (a worker, the coordinator, a supervisor) up to N times "
                          "(backoff 1 s, 2 s, 4 s, ...; default: outer.max_restarts, 3); 0: a death stops the run")
+    if strategy == "diloco":
+        ap.add_argument("--slow", default="", metavar="W=F[@R],...",
+                        help="hold worker W to fraction F of full speed (from round R on): e.g. 1=0.5,3=0.5@20; its "
+                             "processes are stopped for 1 - F of every 0.2 s, as a slower machine (docs/hetero.md)")
     args = ap.parse_args()
     cfg, overrides = load_from_args(args, strategy=strategy)
+    slow = {}
+    if getattr(args, "slow", ""):
+        from train.launch.throttle import parse_slow
+        slow = parse_slow(args.slow, cfg.outer.num_workers)
     preflight(cfg, strategy)
     log = logging.getLogger(f"{strategy}_sim")
     # the run's one-line summary is the coordinator's first line (printed here with its log): this process only
     # starts and watches the others, and imports neither torch nor transformers (a second or two of CPU per run)
     rec, paths = run_local(strat, cfg, cfg.source if cfg.source != "<defaults>" else args.config, overrides,
-                           args.threads, args.max_restarts)
+                           args.threads, args.max_restarts, slow=slow)
     if strategy == "edt":
         log.info("done: best eval loss %s in generation %s; final model: %s; plots: %s, %s, %s",
                  rec.get("best_eval_loss"), rec.get("generation"), paths.final, paths.root / "lineage.png",
