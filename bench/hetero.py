@@ -201,7 +201,8 @@ def main() -> int:
         lines.append([name, f"{statistics.mean(r['fast_util'] for r in rs) * 100:.1f}",
                       f"{loss:.4f}", f"{(loss / ref - 1) * 100:+.2f}",
                       f"{statistics.mean(r['loss_at_fixed_end'] for r in rs):.4f}",
-                      f"{statistics.mean(r['wall_s'] for r in rs):.1f}", f"{statistics.mean(r['rounds'] for r in rs):.0f}",
+                      f"{statistics.mean(r['wall_s'] for r in rs):.1f}",
+                      f"{statistics.mean(r['rounds'] for r in rs):.0f}",
                       sum(r["windows"]["overlaps"] for r in rs),
                       f"{statistics.mean(r['windows']['skipped_pct'] for r in rs):.2f}"])
     print(table(lines, ["row", "fast util %", "eval loss @budget", "vs homog %", "loss @fixed-H wall", "wall s",

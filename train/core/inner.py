@@ -272,6 +272,7 @@ class InnerTrainer:
         readback = _LossReadback(ic.log_every, self.device)
         t0 = time.perf_counter()
         done = n_steps
+        lrs = [float("nan"), float("nan")]  # AdamW's learning rate at the first and the last step
         for i in range(n_steps):
             if stop_at is not None and i > 0 and time.perf_counter() >= stop_at:
                 done = i
@@ -279,6 +280,7 @@ class InnerTrainer:
             if before_step is not None:
                 before_step(i)
             self._set_lrs()
+            lrs[i > 0] = self.lr()
             step_loss = torch.zeros((), device=self.device)
             for k in range(accum):
                 batch = self._to_device(next_batch(ic.per_device_batch_size))
@@ -308,7 +310,8 @@ class InnerTrainer:
         losses = all_mean(losses[:done], self.dist).cpu()
         return {"loss": float(losses.mean()) if done else float("nan"),
                 "last_loss": float(losses[-1]) if done else float("nan"),
-                "steps": done, "tokens": n_tokens, "seconds": time.perf_counter() - t0}
+                "steps": done, "tokens": n_tokens, "seconds": time.perf_counter() - t0,
+                "lr": [lrs[0], lrs[1] if done > 1 else lrs[0]]}
 
     # -- optimizer state as safetensors + JSON --------------------------------------------------------------------
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:

@@ -331,7 +331,7 @@ class Worker(ResumeState):
                  done if done == H else f"{done} of {H} (outer.round_time_s x {GRACE:g} reached)", stats["loss"],
                  stats["last_loss"], stats["tokens"] / max(stats["seconds"], 1e-9), " (replay)" if replay else "")
         meta = {"inner_steps": done, "planned_steps": H, "tokens": stats["tokens"], "loss": stats["loss"],
-                "last_loss": stats["last_loss"],
+                "last_loss": stats["last_loss"], "lr": stats["lr"],
                 "train_seconds": stats["seconds"], "load_seconds": seg.load_s, "processes": self.dist.world,
                 "trained_at": time.time(), **fields, **({"fresh_moments": True} if fresh else {})}
         self.overlap.hand_off(self, r, seg.base, params, opt_tensors, meta, data, replay)

@@ -61,10 +61,10 @@ class Layout:
         return lay
 
     @classmethod
-    def single(cls, num_workers: int, windows: int) -> "Layout":
+    def single(cls, num_workers: int, windows: "int | list[int]") -> "Layout":
         """One segment from round 0 (a new run; also what DiLoCoOptimizer-style tools can use to draw the same
         batches as the file protocol)."""
-        return cls([{"from_round": 0, "slots": num_workers, "windows": windows, "offset": 0,
+        return cls([{"from_round": 0, "slots": num_workers, "windows": _windows(windows, num_workers), "offset": 0,
                      "why": f"start: {num_workers} workers"}], num_workers)
 
     def save(self, paths: RunPaths) -> None:

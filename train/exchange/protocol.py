@@ -70,21 +70,23 @@ def delta_sidecar(r: int, w: int, file: dict, *, inner_steps: int, tokens: int, 
                   last_loss: float | None = None, train_seconds: float | None = None,
                   load_seconds: float | None = None, processes: int = 1, fold_step: int | None = None,
                   trained_at: float | None = None, handoff_seconds: float | None = None,
-                  fresh_moments: bool = False, planned_steps: int | None = None) -> dict:
+                  fresh_moments: bool = False, planned_steps: int | None = None,
+                  lr: list[float] | None = None) -> dict:
     """The sidecar of worker w's delta of round r; `file` is what write_delta returned; `fold_step`: with overlap,
     the step at which the segment folded θ_r in (docs/overlap.md); `trained_at`: when its last inner step ended
     (`time` is when the sidecar was written: with overlap, the publication runs while the next segment trains);
     `handoff_seconds`: with overlap, how long the hand-off waited for the previous round's publication;
     `fresh_moments`: the segment started from fresh inner optimizer moments (a joiner, a restart without its
     snapshot): its delta's norm may differ from the others' more than usual (the screen allows it, screen.py);
-    `planned_steps`: the H its round gave it (rounds by time: inner_steps is fewer where its deadline stopped it)."""
+    `planned_steps`: the H its round gave it (rounds by time: inner_steps is fewer where its deadline stopped it);
+    `lr`: the inner learning rate of its first and last step (the run's schedule, train/diloco/pace.py)."""
     return {"protocol": PROTOCOL_VERSION, "round": r, "worker": w, "inner_steps": inner_steps, "tokens": tokens,
             "loss": loss, "last_loss": last_loss, "sha256": file["sha256"], "bytes": file["bytes"],
             "dtype": file["dtype"], "codec": file.get("codec", file["dtype"]), "host": socket.gethostname(),
             "train_seconds": train_seconds,
             "load_seconds": load_seconds, "processes": processes, "time": time.time(),
             **{k: v for k, v in (("fold_step", fold_step), ("trained_at", trained_at),
-                                 ("handoff_seconds", handoff_seconds), ("planned_steps", planned_steps))
+                                 ("handoff_seconds", handoff_seconds), ("planned_steps", planned_steps), ("lr", lr))
                if v is not None},
             **({"fresh_moments": True} if fresh_moments else {})}
 

@@ -35,6 +35,13 @@ def draw_timeline(tl: Timeline, out: Path, title: str = "") -> None:
     # 1000-round soak: over 10 minutes; batched, seconds).
     bars: dict[tuple[str, float, float], list[tuple[float, float]]] = {}
     points: dict[str, tuple[list[float], list[float]]] = {}
+    # rounds by time: each compute bar says its worker's H (while the bars are few enough to read)
+    hs = [(s, n - 1 - i) for i, lane in enumerate(tl.lanes) for s in lane.segments
+          if s.state == "compute" and s.label.startswith("H")]
+    if len(hs) <= 160:
+        for s, y in hs:
+            ax.text((s.start + s.end) / 2 - t0, y, s.label[1:], ha="center", va="center", fontsize=6, color="white",
+                    clip_on=True)
     for i, lane in enumerate(tl.lanes):
         y = n - 1 - i
         split = any(x.sub for x in lane.segments)

@@ -35,7 +35,7 @@ JOURNAL = "timeline.jsonl"
 PICTURE = "timeline.png"
 # the fields of a delta's sidecar (DiLoCo) or a member's result.json (EDT) the timeline keeps
 DELTA_FIELDS = ("round", "worker", "lease", "host", "trained_at", "train_seconds", "load_seconds", "handoff_seconds",
-                "time", "bytes", "io", "tokens", "inner_steps", "fold_step")
+                "time", "bytes", "io", "tokens", "inner_steps", "fold_step", "planned_steps")
 RESULT_FIELDS = ("generation", "member", "worker", "host", "attempt", "time", "train_seconds", "eval_seconds",
                  "tokens", "bytes_read", "bytes_written", "refilled")
 # supervisor lines (train/launch/procs.py): "<date> <time> ... worker 1 exited with signal 9; restart 1/3 in 1.0 s"
@@ -229,7 +229,9 @@ def _worker_segments(lane: Lane, mine: list[dict], closes: dict[int, float]) -> 
                     lane.segments.append(Segment(gap0, mid, "waiting", int(prev["round"])))
                 if start > mid:
                     lane.segments.append(Segment(mid, start, "idle", r))
-        lane.segments.append(Segment(start, end, "compute", r, f"r{r}"))
+        # rounds by time: each worker's own H, written on its compute bar
+        label = f"H{d['inner_steps']}" if d.get("planned_steps") is not None else f"r{r}"
+        lane.segments.append(Segment(start, end, "compute", r, label))
         nxt = next((x for x in mine if int(x["round"]) == r + 1), None)
         overlapped = nxt is not None and float(nxt.get("trained_at") or nxt["time"]) - \
             float(nxt.get("train_seconds") or 0.0) < pub_end

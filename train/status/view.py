@@ -159,6 +159,7 @@ def gather(root: str | Path, now: float | None = None, live: Liveness | None = N
     # the last rounds
     rows = []
     quorum = max(int(outer.get("min_workers") or 1), math.ceil(max(n, 1) / 2))
+    batch = int((cfg.get("inner") or {}).get("total_batch_size") or 1)
     # (DiLoCo's round 0 is the initial model: nothing was exchanged, nothing to show)
     for k in [k for k in sorted(recs) if k > 0 or strategy != "diloco"][-RECENT:]:
         rec = recs[k]
@@ -167,6 +168,7 @@ def gather(root: str | Path, now: float | None = None, live: Liveness | None = N
                "time" in prev else None, "bytes": rec.get("bytes_total")}
         if strategy == "diloco" and k > 0:
             row["ttq_s"] = _time_to_quorum(tl, k - 1, prev, quorum)
+            row["H"], row["idle"] = _steps_and_idle(tl, k, rec, prev, batch)
             row["deltas"] = len(rec.get("workers_used") or [])
             if "fragment" in rec:  # streaming DiLoCo: the fragment this commit synced (docs/streaming.md)
                 row["fragment"] = rec["fragment"]
@@ -216,6 +218,20 @@ def _time_to_quorum(tl, r: int, prev: dict | None, quorum: int) -> float | None:
     return round(pubs[quorum - 1] - start, 2) if len(pubs) >= quorum else None
 
 
+def _steps_and_idle(tl, k: int, rec: dict, prev: dict | None, batch: int) -> tuple[dict, dict]:
+    """Each worker's inner steps in the round committed as k (from the windows it read) and its idle seconds: the
+    round's wall time (commit to commit) less its compute time in the round."""
+    steps = {w: int(v[1]) // max(1, batch) for w, v in sorted((rec.get("data") or {}).items()) if "@" not in w}
+    idle = {}
+    if prev and "time" in prev and "time" in rec:
+        wall = float(rec["time"]) - float(prev["time"])
+        for ln in tl.lanes:
+            if ln.name in steps:
+                comp = sum(s.end - s.start for s in ln.segments if s.state == "compute" and s.round == k - 1)
+                idle[ln.name] = round(max(0.0, wall - comp), 2)
+    return steps, idle
+
+
 def _round_utilisation(tl, k: int, strategy: str, recs: dict) -> float | None:
     """Compute time of the round's (generation's) segments over the workers x the round's wall time."""
     rnd = k - 1 if strategy == "diloco" else k
@@ -260,14 +276,18 @@ def render(v: dict) -> str:
     if v["recent"]:
         lines.append(f"last {unit}s:")
         frag = any("fragment" in r for r in v["recent"])
-        head = (unit, *(("fragment",) if frag else ()), "seconds", "to quorum", "deltas", "MB", "utilisation") \
+        head = (unit, *(("fragment",) if frag else ()), "seconds", "to quorum", "deltas", "MB", "utilisation",
+                "H per worker", "idle s per worker") \
             if v["strategy"] == "diloco" else (unit, "seconds", "MB", "utilisation")
         rows = []
         for r in v["recent"]:
             mb = None if r.get("bytes") is None else f"{r['bytes'] / 1e6:.2f}"
             ut = None if r.get("utilisation") is None else f"{100 * r['utilisation']:.0f}%"
+            hs = "/".join(str(h) for h in (r.get("H") or {}).values()) or None
+            idle = "/".join(f"{x:.1f}" for x in (r.get("idle") or {}).values()) or None
             rows.append((r[unit], *((r.get("fragment"),) if frag else ()), r["seconds"], r.get("ttq_s"),
-                         r.get("deltas"), mb, ut) if v["strategy"] == "diloco" else (r[unit], r["seconds"], mb, ut))
+                         r.get("deltas"), mb, ut, hs, idle) if v["strategy"] == "diloco"
+                        else (r[unit], r["seconds"], mb, ut))
         lines += _table(head, rows)
     if v["problems"]:
         lines.append("missing / rejected:")
