@@ -450,6 +450,10 @@ def test_a_worker_started_mid_run_joins_at_the_next_round_boundary(tmp_path, wri
     assert len(got) == len(set(got))
     log2 = (tmp_path / "joiner.log").read_text()
     assert "asks to join a run of 2 workers" in log2 and f"joined the run at round {seg['from_round']}" in log2
+    # it trains at the run's learning rate from its first round (the schedule is the run's, not its own step count:
+    # from step 0, warmup included, it published deltas larger than the others' for the rest of the run)
+    deltas = {(d["round"], d["worker"]): d for t in read_jsonl(paths.root / "timeline.jsonl") for d in t["deltas"]}
+    assert deltas[(seg["from_round"], 2)]["lr"] == deltas[(seg["from_round"], 0)]["lr"]
 
 
 @pytest.mark.slow

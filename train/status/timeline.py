@@ -35,7 +35,7 @@ JOURNAL = "timeline.jsonl"
 PICTURE = "timeline.png"
 # the fields of a delta's sidecar (DiLoCo) or a member's result.json (EDT) the timeline keeps
 DELTA_FIELDS = ("round", "worker", "lease", "host", "trained_at", "train_seconds", "load_seconds", "handoff_seconds",
-                "time", "bytes", "io", "tokens", "inner_steps", "fold_step", "planned_steps")
+                "time", "bytes", "io", "tokens", "inner_steps", "fold_step", "planned_steps", "lr")
 RESULT_FIELDS = ("generation", "member", "worker", "host", "attempt", "time", "train_seconds", "eval_seconds",
                  "tokens", "bytes_read", "bytes_written", "refilled")
 # supervisor lines (train/launch/procs.py): "<date> <time> ... worker 1 exited with signal 9; restart 1/3 in 1.0 s"
