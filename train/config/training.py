@@ -244,7 +244,7 @@ class OuterConfig:
                                    "train in this many seconds, from its measured speed (steps / second over its "
                                    "last round; the first round, and a worker's first after joining, calibrate at "
                                    "local_steps / 4), capped at local_steps; a worker that falls behind its plan "
-                                   "stops at 1.25 x this and publishes what it trained. The commit stays one outer "
+                                   "stops at 1.5 x this and publishes what it trained. The commit stays one outer "
                                    "step per round. Not with fragments or local_steps_schedule.")
     step_rates: dict = doc({}, "Rounds by time with given speeds instead of measured ones: {\"worker id\": inner "
                                "steps per second}, e.g. {\"0\": 20, \"1\": 10} (every worker of the run listed). "

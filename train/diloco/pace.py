@@ -40,7 +40,7 @@ from train.exchange.layout import Layout, per_slot
 
 log = logging.getLogger("pace")
 
-GRACE = 1.25       # a worker behind its plan stops at this x round_time_s (noise in step times stays inside it)
+GRACE = 1.5        # a worker behind its plan stops at this x round_time_s (noise in step times stays inside it)
 HYSTERESIS = 0.05  # a new plan is written when some worker's H moves by more than this fraction (and >= 1 step)
 
 
