@@ -79,6 +79,7 @@ def test_a_worker_back_after_missed_rounds_trains_at_the_runs_learning_rate(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a variant of test_elastic's resume with more then fewer workers
 @pytest.mark.timeout(300)
 def test_a_resume_with_another_local_steps_trains_on_with_the_layouts_h(tmp_path, write_config):
     """A run made with H = 5, resumed with --rounds 6 --set outer.local_steps=10: the workers take each round's H from
