@@ -117,6 +117,11 @@ def test_a_killed_worker_and_a_straggler_in_the_timeline_and_the_status_view(tmp
     assert all(w["state"] == "exited" and w["last_delta"] is not None for w in rows.values())
     assert any(p["worker"] == "w002" and p["round"] == slow_round and "straggler" in p["why"] for p in v["problems"])
     assert v["committed"] == R and v["finished"] and v["coordinator"]["doing"] == "done"
+    # each worker's H and idle seconds per round (the windows its committed delta read, and the round's wall time
+    # less its compute)
+    for row in v["recent"]:
+        assert set(row["H"]) <= {"w000", "w001", "w002"} and all(h == 60 for h in row["H"].values())
+        assert all(x >= 0 for x in row["idle"].values())
     assert sorted(p.name for p in paths.root.iterdir()) == before  # read-only
 
 
