@@ -58,7 +58,7 @@ def run(base: Path, name: str, args, rounds: int, sets: list[str], slow: str, se
                f"inner.total_steps={args.rounds * args.local_steps}", "inner.warmup_steps=5", f"seed={seed}",
                "outer.poll_interval_s=0.05", f"data.max_tokens={args.max_tokens}",
                "model.name=configs/micro-llama.json", "inner.device=cpu", "logging.plot=false", "eval.batches=4",
-               "eval.every=1", *sets]
+               "eval.every=1", *args.set, *sets]
     cmd = [sys.executable, str(REPO / "diloco_sim.py"), "--config", str(REPO / "evolution.json"), "--base-dir",
            str(base), "--project", project, "--no-progress", "--threads", "1",
            *[a for s in allsets for a in ("--set", s)], *(["--slow", slow] if slow else [])]
@@ -160,6 +160,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
     ap.add_argument("--weightings", nargs="+", default=["tokens", "equal", "per_step"])
     ap.add_argument("--max-tokens", type=int, default=2_000_000)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every row (e.g. data.cache_dir=... for a token cache made elsewhere)")
     args = ap.parse_args()
     args.rounds = args.rounds or (6 if args.quick else 12)
     args.local_steps = args.local_steps or 40
