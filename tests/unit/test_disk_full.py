@@ -83,6 +83,34 @@ def test_the_wait_gives_up_after_disk_full_wait_s_with_one_line_and_exit_2(tmp_p
     assert note.read_text() == "", "a disk that stayed full is not worth a restart"
 
 
+def test_a_process_started_while_the_disk_is_full_waits_at_its_base_dir_check(tmp_path, quick_policy, monkeypatch):
+    """The soak on SeaweedFS (bench/soak.py --storage seaweedfs, ENOSPC switched on in every mount) found a worker
+    restarted during a full disk stop for good at its start-up write test of base_dir (a ConfigError: 'cannot
+    write in'); the test now waits for space like every other call, and a folder that truly cannot be written is
+    still a ConfigError."""
+    import errno
+    from pathlib import Path
+
+    from train.core.errors import ConfigError
+    from train.core.store import prepare_run_dir
+
+    real, full = Path.touch, {"n": 3}
+
+    def touch(self, *a, **k):
+        if full["n"] > 0:
+            full["n"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "touch", touch)
+    assert prepare_run_dir(tmp_path / "runs" / "p") == tmp_path / "runs" / "p"
+    assert full["n"] == 0 and not list((tmp_path / "runs" / "p").iterdir())  # waited, then the probe went
+    monkeypatch.setattr(Path, "touch", lambda self, *a, **k: (_ for _ in ()).throw(
+        OSError(errno.EACCES, "Permission denied", str(self))))
+    with pytest.raises(ConfigError, match="cannot write in"):
+        prepare_run_dir(tmp_path / "runs" / "q")
+
+
 def test_a_full_tmpfs_is_waited_out_and_the_partial_file_freed(tmp_path, quick_policy, caplog):
     """On a real small filesystem: a write that meets a full disk frees its own partial bytes, waits, and succeeds
     once the filler goes; one start line and one end line; the EIO budget (0 here) is not what it waits on."""

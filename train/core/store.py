@@ -275,11 +275,16 @@ def prepare_run_dir(run_dir: str | os.PathLike, source: str = "the config") -> P
                 raise ConfigError(f"{source}: base_dir: {p} is a file, not a folder; set base_dir (or --base-dir) to a "
                                   f"folder on the shared disk (it is created if missing)")
             break
-    try:
+    def probe() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        p = run_dir / f".write-test-{os.getpid()}"
+        p.touch()
+        p.unlink()
+
+    try:  # a full disk or an EIO burst is the storage's passing state, not a bad base_dir: waited out, retried
+        sharedfs.retry("write", run_dir, probe)  # (a worker restarted during a full disk stopped here for good)
+    except (sharedfs.SharedDiskError, sharedfs.DiskFull):
+        raise
     except OSError as e:
         raise ConfigError(f"{source}: base_dir: cannot write in {run_dir} ({e.strerror or e}); set base_dir to a "
                           f"writable folder on the shared disk") from None
