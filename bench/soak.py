@@ -3,6 +3,7 @@
     python bench/soak.py --quick                 # 4 workers, 80 rounds, 16 faults of all 11 kinds, about 5 min
     python bench/soak.py                         # 8 workers x 1000 rounds (hours; not in CI)
     python bench/soak.py --quick --seed 3 --out /tmp/soak --faults kill_worker disk_full bad_delta
+    python bench/soak.py --quick --storage seaweedfs   # each process on its own `weed mount` of a real SeaweedFS
 
 What runs: the real programs, as on a cluster (README "multi-machine"): the coordinator `python diloco.py` and every
 worker (`bench/soak_worker.py`: `python -m train.diloco.worker` that may publish a bad delta when told to) each under
@@ -10,6 +11,14 @@ its supervisor (`python -m train.launch.supervise`), the supervisors kept by thi
 (train/launch/procs.py LocalProcess: a killed supervisor is restarted). Every process has its own NFS-client mount
 (bench/throttlefs.py via tests/helpers/fusefs.py: lookup cache 10 s, faults switched through a control file) of one
 backing folder, which lies on a real small filesystem (a tmpfs of --disk-mb, when this user may mount one).
+
+With --storage seaweedfs the shared disk is a real distributed filesystem instead (tests/helpers/seaweed.py: a
+private SeaweedFS, master, volume server and filer on loopback, the `storage` extra): every process has its own
+`weed mount` of one filer, under its own throttlefs mount (no lookup cache: only the fault switches), so every
+fault above works there too (a full disk as ENOSPC switched on in every mount), and two more hit the storage server
+itself: freeze_storage (master, volume server and filer SIGSTOPped for --freeze-s, 20 s) and restart_storage (the
+filer or the volume server SIGKILLed, started again on its ports with its data after --down-s, 10 s). The checker
+reads the run through a weed mount of its own.
 
 The fault schedule (seeded by --seed) starts a fault every --gap seconds, or once --every-rounds rounds were committed
 since the last one if that comes first (so a fast machine gets as many faults as a slow one), each kind once in a
@@ -69,9 +78,11 @@ from pathlib import Path
 from common import REPO
 
 from tests.helpers.fusefs import fuse_skip_reason, nfs_mount  # one FUSE mount per process (common put REPO on path)
+from tests.helpers.seaweed import seaweed_skip_reason, seaweedfs
 
 KINDS = ("kill_worker", "kill_supervisor", "kill_coordinator", "stop_worker", "eio_burst", "hang_mount",
          "disk_full", "bad_delta", "join", "leave", "move_coordinator")
+STORAGE_KINDS = ("freeze_storage", "restart_storage")  # --storage seaweedfs: the storage server itself fails
 BAD_KINDS = ("scale", "flip", "noise")
 PROJECT = "soak"
 MIN_GAP_S = 3.0  # two faults start at least this far apart, whatever --every-rounds says
@@ -129,6 +140,15 @@ class Role:
     def child(self) -> int | None:
         kids = children(self.proc.pid) if self.proc is not None else []
         return kids[0] if kids else None
+
+
+def signal_pid(pid: int, sig: int) -> bool:
+    """Send `sig`; False when the process is gone already (it ended between our look and the signal)."""
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def set_control(path: Path, **state) -> None:
@@ -277,6 +297,7 @@ class Soak:
         self.fill_path: Path | None = None
         self.tmpfs = False
         self.bad_outcomes: list[str] = []
+        self.sw = None  # --storage seaweedfs: the running SeaweedFS (tests/helpers/seaweed.py)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -297,14 +318,20 @@ class Soak:
         (self.out / "bad").mkdir()
         disk = self.out / "disk"
         disk.mkdir()
-        if os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.a.disk_mb}m", "tmpfs",
+        if self.a.storage == "seaweedfs":
+            # the run on SeaweedFS; the checker reads it through a weed mount of its own (the server's view, a
+            # moment later); a full disk is ENOSPC switched on in every process's throttlefs mount
+            self.sw = self.stack.enter_context(seaweedfs(self.out / "seaweed"))
+            self.backing = self.sw.mount("checker")
+        elif os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.a.disk_mb}m", "tmpfs",
                                                  str(disk)], capture_output=True).returncode == 0:
             self.tmpfs = True
             self.stack.callback(lambda: subprocess.run(["umount", "-l", str(disk)], capture_output=True))
         else:
             self.say("note: cannot mount a tmpfs here (not root?): disk_full switches ENOSPC on in every mount instead")
-        self.backing = disk / "export"
-        self.backing.mkdir()
+        if self.sw is None:
+            self.backing = disk / "export"
+            self.backing.mkdir()
         self.run = self.backing / PROJECT
         cfg = soak_config(self.a.workers, self.a.rounds, self.a.local_steps, self.a.dead_after, self.a.codec)
         self.cfg_path = self.out / "evolution.json"
@@ -315,8 +342,12 @@ class Soak:
         for i, name in enumerate(names):
             control = self.out / "control" / f"{name}.json"
             set_control(control)
-            mount = self.stack.enter_context(nfs_mount(self.backing, self.out / "mnt" / name, lookup_ttl=10, seed=i,
-                                                       control=control))
+            if self.sw is None:
+                mount = self.stack.enter_context(nfs_mount(self.backing, self.out / "mnt" / name, lookup_ttl=10,
+                                                           seed=i, control=control))
+            else:  # its own weed mount; over it a throttlefs mount without a cache, for the fault switches only
+                mount = self.stack.enter_context(nfs_mount(self.sw.mount(name), self.out / "mnt" / name,
+                                                           lookup_ttl=0, seed=i, control=control))
             self.roles[name] = Role(name, mount, control)
         self.coordinator = "coordinator"
         self.next_worker = self.a.workers
@@ -360,27 +391,31 @@ class Soak:
             pid = role.child()
             if pid is None:
                 return None
-            os.kill(pid, signal.SIGKILL)
+            if not signal_pid(pid, signal.SIGKILL):
+                return None
             f.detail = f"SIGKILL pid {pid}"
         elif kind == "kill_supervisor":
             pid = role.proc.pid
-            os.kill(pid, signal.SIGKILL)
+            if pid is None or not signal_pid(pid, signal.SIGKILL):
+                return None
             f.detail = f"SIGKILL supervisor pid {pid}"
         elif kind == "kill_coordinator":
             pid = coord.child()
             if pid is None:
                 return None
-            os.kill(pid, signal.SIGKILL)
+            if not signal_pid(pid, signal.SIGKILL):
+                return None
             f.target, f.detail = coord.name, f"SIGKILL pid {pid}"
         elif kind == "stop_worker":
             pid = role.child()
             if pid is None:
                 return None
             hold = self.a.dead_after + 5
-            os.kill(pid, signal.SIGSTOP)
+            if not signal_pid(pid, signal.SIGSTOP):
+                return None
             role.busy_until = now + hold + 2
             f.detail, f.until = f"SIGSTOP pid {pid} for {hold:g} s", self.now() + hold
-            threading.Timer(hold, lambda: os.kill(pid, signal.SIGCONT)).start()
+            threading.Timer(hold, lambda: signal_pid(pid, signal.SIGCONT)).start()
         elif kind == "eio_burst":
             set_control(role.control, error_rate=0.05)
             f.detail, f.until = "EIO on 5% of reads, writes, fsyncs for 10 s", self.now() + 10
@@ -416,6 +451,21 @@ class Soak:
             role.proc.signal_group(signal.SIGTERM)
             role.gone = True
             f.detail = "SIGTERM (leaves)"
+        elif kind in STORAGE_KINDS:
+            if any(x.kind in STORAGE_KINDS and x.until and x.until > self.now() - 5 for x in self.faults):
+                return None  # one storage fault at a time
+            f.target = "the storage server"
+            if kind == "freeze_storage":
+                self.sw.freeze()
+                f.detail, f.until = f"master, volume server and filer SIGSTOPped for {self.a.freeze_s:g} s", \
+                    self.now() + self.a.freeze_s
+                threading.Timer(self.a.freeze_s, self.storage_back, args=("thawed (SIGCONT)",)).start()
+            else:
+                server = self.rng.choice(("filer", "volume"))
+                self.sw.stop_server(server)
+                f.target = f"the {server}"
+                f.detail, f.until = f"SIGKILL, started again after {self.a.down_s:g} s", self.now() + self.a.down_s
+                threading.Timer(self.a.down_s, self.storage_back, args=(f"{server} started again", server)).start()
         elif kind == "move_coordinator":
             other = "coordinator-b" if self.coordinator == "coordinator" else "coordinator"
             with contextlib.suppress(ProcessLookupError):
@@ -455,6 +505,17 @@ class Soak:
             self.fill_path.unlink(missing_ok=True)
         self.say("disk_full: space is back")
 
+    def storage_back(self, what: str, server: str | None = None) -> None:
+        """The end of a storage fault (a timer's thread): thaw the servers, or start the killed one again."""
+        try:
+            if server is None:
+                self.sw.thaw()
+            else:
+                self.sw.start_server(server)
+            self.say(f"storage: {what}")
+        except Exception as e:  # noqa: BLE001  (said, and the run's invariants will show what it cost)
+            self.say(f"storage: could not bring it back ({what}): {e}")
+
     # -- the loop --------------------------------------------------------------------------------------------------
     def sample(self) -> None:
         row = {"t": round(self.now(), 2), "round": self.checker.latest(), "disk_mb": round(du(self.run) / 1e6, 3)}
@@ -470,6 +531,9 @@ class Soak:
     def main(self) -> int:
         if (why := fuse_skip_reason()):
             print(f"soak: needs FUSE: {why}", file=sys.stderr)
+            return 2
+        if self.a.storage == "seaweedfs" and (why := seaweed_skip_reason()):
+            print(f"soak: --storage seaweedfs: {why}", file=sys.stderr)
             return 2
         try:
             self.setup()
@@ -763,7 +827,8 @@ class Soak:
         out = [f"# Soak: {a.workers} workers x {a.rounds} rounds, seed {a.seed}, codec {a.codec}", "",
                f"`python bench/soak.py {' '.join(sys.argv[1:])}` — {self.now():.0f} s wall, {committed} rounds "
                f"committed, {len(self.faults)} faults of {len(kinds)} kinds ({', '.join(kinds)}), "
-               f"{len(violations)} invariant violations. Disk: "
+               f"{len(violations)} invariant violations. Storage: "
+               f"{'SeaweedFS, one weed mount per process' if self.sw else 'throttlefs NFS-client mounts'}. Disk: "
                f"{'a tmpfs of %d MB' % a.disk_mb if self.tmpfs else 'ENOSPC switched in the mounts'}.", "",
                "## Faults", "", "| # | at (s) | kind | target | what | what the system did |",
                "|---|---|---|---|---|---|"]
@@ -808,8 +873,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="outer.compression (default none: θ replayed from the deltas; int8 / topk: θ followed the "
                          "workers' way and held against each round's checksum)")
     ap.add_argument("--out", default=None, help="the report's folder (default: a new temp folder)")
-    ap.add_argument("--faults", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
-                    help=f"fault kinds (default: all of {', '.join(KINDS)})")
+    ap.add_argument("--storage", choices=("nfs", "seaweedfs"), default="nfs",
+                    help="the shared disk: nfs (default: our FUSE emulation of NFS clients, bench/throttlefs.py, over "
+                         "a tmpfs) or seaweedfs (a real SeaweedFS on loopback, one weed mount per process; needs the "
+                         "storage extra; adds the fault kinds " + ", ".join(STORAGE_KINDS) + ")")
+    ap.add_argument("--faults", nargs="+", choices=KINDS + STORAGE_KINDS, default=None, metavar="KIND",
+                    help=f"fault kinds (default: all of {', '.join(KINDS)}; with --storage seaweedfs also "
+                         f"{', '.join(STORAGE_KINDS)})")
+    ap.add_argument("--freeze-s", type=float, default=20.0, help="how long freeze_storage lasts (default 20)")
+    ap.add_argument("--down-s", type=float, default=10.0, help="how long restart_storage keeps a server down "
+                                                                "(default 10)")
     ap.add_argument("--no-faults", action="store_true", help="no faults: the baseline a soak's wall time is held "
                                                                "against (same workers and rounds)")
     ap.add_argument("--gap", type=float, default=None, help="seconds between two faults (default 30; --quick 9)")
@@ -824,7 +897,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--disk-mb", type=int, default=256, help="size of the tmpfs BASE_DIR lies on (default 256)")
     ap.add_argument("--max-joins", type=int, default=2, help="workers that may join (default 2)")
     ap.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: 4 h; "
-                                                                 "--quick 420)")
+                                                                 "--quick 420, 900 on SeaweedFS)")
     ap.add_argument("--sample-s", type=float, default=1.0, help="seconds between RSS / fd / disk samples")
     ap.add_argument("--first-fault", type=float, default=5.0, help="seconds before the first fault")
     a = ap.parse_args(argv)
@@ -834,8 +907,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.gap = a.gap or (9.0 if q else 30.0)
     a.max_faults = a.max_faults or (16 if q else 10 ** 6)
     a.every_rounds = a.every_rounds or (4 if q else 10 ** 9)
-    a.timeout = a.timeout or (420.0 if q else 4 * 3600.0)
+    # (on SeaweedFS every call crosses two FUSE layers and the filesystem's daemons share the cores: more time)
+    a.timeout = a.timeout or ((900.0 if a.storage == "seaweedfs" else 420.0) if q else 4 * 3600.0)
     a.out = a.out or tempfile.mkdtemp(prefix="edt-soak-")
+    if a.faults is None:
+        a.faults = list(KINDS) + (list(STORAGE_KINDS) if a.storage == "seaweedfs" else [])
+    elif a.storage != "seaweedfs" and set(a.faults) & set(STORAGE_KINDS):
+        ap.error(f"{', '.join(STORAGE_KINDS)} need --storage seaweedfs")
     if a.no_faults:
         a.faults, a.max_faults = [], 0
     if a.workers < 3:

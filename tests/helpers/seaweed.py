@@ -163,6 +163,7 @@ class SeaweedFS:
     ports: dict[str, tuple[int, int]] = field(default_factory=dict)  # server -> (http, grpc)
     servers: dict[str, Proc] = field(default_factory=dict)
     mounts: dict[str, tuple[Path, Proc]] = field(default_factory=dict)
+    closed: bool = False  # after close(): nothing starts again (a bench's timer thread may still try)
 
     # -- addresses -----------------------------------------------------------------------------------------------
     def addr(self, server: str) -> str:
@@ -200,6 +201,8 @@ class SeaweedFS:
     def start_server(self, server: str, timeout: float = 60) -> None:
         """Start one server (again, after stop_server or a kill: the same ports, the same data) and wait until it
         answers."""
+        if self.closed:
+            raise RuntimeError(f"SeaweedFS under {self.root} was stopped: not starting its {server} again")
         (self.root / server).mkdir(parents=True, exist_ok=True)
         proc = self.servers.get(server) or Proc(server, self._argv(server), self.root / "logs" / f"{server}.log")
         self.servers[server] = proc
@@ -239,23 +242,30 @@ class SeaweedFS:
         procs = list(self.servers.values()) + ([p for _, p in self.mounts.values()] if mounts else [])
         return [p.pid for p in procs if p.alive()]
 
-    @contextlib.contextmanager
-    def frozen(self, mounts: bool = False):
-        """The storage server frozen for the block: SIGSTOP of the master, the volume server and the filer (and of
-        every `weed mount` with `mounts`), SIGCONT when the block ends, also when it raises. Calls on the mounts
-        that need the server wait for it."""
-        procs = [p for p in self.servers.values() if p.alive()]
-        if mounts:
-            procs += [p for _, p in self.mounts.values() if p.alive()]
-        try:
-            for p in procs:
-                p.signal(signal.SIGSTOP)
+    def freeze(self, mounts: bool = False) -> None:
+        """SIGSTOP the master, the volume server and the filer (and every `weed mount` with `mounts`): the storage
+        server frozen; calls on the mounts that need it wait. `thaw` ends it."""
+        procs = list(self.servers.values()) + ([p for _, p in self.mounts.values()] if mounts else [])
+        for p in procs:
+            if p.alive():
                 p.frozen = True
-            yield
-        finally:
-            for p in procs:
+                p.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT of every process `freeze` stopped."""
+        for p in [*self.servers.values(), *(p for _, p in self.mounts.values())]:
+            if p.frozen:
                 p.signal(signal.SIGCONT)
                 p.frozen = False
+
+    @contextlib.contextmanager
+    def frozen(self, mounts: bool = False):
+        """The storage server frozen for the block (`freeze`), let go when it ends, also when it raises."""
+        try:
+            self.freeze(mounts)
+            yield
+        finally:
+            self.thaw()
 
     # -- the mounts ----------------------------------------------------------------------------------------------
     def mount(self, name: str, mountpoint: Path | None = None, timeout: float = 60) -> Path:
@@ -292,6 +302,7 @@ class SeaweedFS:
     def close(self) -> None:
         """Everything down: the mounts first (while the filer still answers their last flushes), then the filer,
         the volume server and the master."""
+        self.closed = True
         for p in self.servers.values():
             p.signal(signal.SIGCONT)
         for name in list(self.mounts):
