@@ -153,7 +153,7 @@ def picture(rows: dict[str, dict], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one seed, 6 rounds of H = 40 (at most ~6 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="one seed, 4 rounds of H = 80 (at most ~6 min on 2 cores)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=None, help="rounds of the fixed-H rows (the token budget)")
     ap.add_argument("--local-steps", type=int, default=None, help="H of the fixed-H rows (the time rows' cap is 2H)")
@@ -163,8 +163,8 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every row (e.g. data.cache_dir=... for a token cache made elsewhere)")
     args = ap.parse_args()
-    args.rounds = args.rounds or (6 if args.quick else 12)
-    args.local_steps = args.local_steps or 40
+    args.rounds = args.rounds or (4 if args.quick else 8)
+    args.local_steps = args.local_steps or (80 if args.quick else 100)
     args.seeds = args.seeds or ([0] if args.quick else [0, 1])
     if args.workers < 3:
         raise SystemExit("hetero: --workers must be >= 3 (workers 2 and 3 are the slow ones, 0 and 1 the fast)")

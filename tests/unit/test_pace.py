@@ -86,6 +86,17 @@ def test_pace_calibrates_then_plans_from_measured_speed_capped_and_with_hysteres
     assert pace.replan(cur) == [40 * B, 40 * B, 40 * B]
 
 
+def test_rates_are_the_median_of_the_last_three_and_a_change_of_speed_is_followed_at_once():
+    pace = Pace(cfg_with(num_workers=1, local_steps=1000, round_time_s=1).outer, B)
+    for rate in (20, 24, 18):  # noise: the median
+        pace.observe({0: {"inner_steps": rate, "train_seconds": 1.0}})
+    assert pace.steps_for(0) == 20
+    pace.observe({0: {"inner_steps": 10, "train_seconds": 1.0}})  # half speed: followed from this round
+    assert pace.steps_for(0) == 10
+    pace.observe({0: {"inner_steps": 11, "train_seconds": 1.0}})
+    assert pace.steps_for(0) == 10  # median of 10 and 11, floored
+
+
 def test_a_round_time_below_one_step_is_one_line_naming_the_key():
     pace = Pace(cfg_with(round_time_s=0.01).outer, B)
     pace.observe({0: {"inner_steps": 2, "train_seconds": 1.0}})

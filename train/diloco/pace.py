@@ -10,8 +10,11 @@ coordinator gives each worker its own H (HALoS's synchronous baseline, torchft's
 Where the H come from, round by round:
   * round 0, and a worker's first round after it joins: `calibration_steps` (local_steps / 4), a short round that
     measures the worker instead of a full slow one;
-  * after that, the rate of the worker's last delta (its sidecar's inner_steps / train_seconds), so a worker whose
-    speed changes is followed within a round (two with outer.overlap, which plans a round further ahead);
+  * after that, the median rate of the worker's last three deltas (each its sidecar's inner_steps / train_seconds):
+    step times wander by 10-20% from round to round on a shared box, and a plan that chased each round's figure made
+    the next round's slowest worker later still. A rate more than STEP_CHANGE off that median is a change of speed,
+    not noise: the history restarts from it, so a worker whose speed changes is followed within a round (two with
+    outer.overlap, which plans a round further ahead);
   * outer.step_rates: given rates instead of measured ones (a fixed plan: runs reproduce bit for bit).
 The plan is written into the data layout (train/exchange/layout.py: a segment whose `windows` lists one count per
 slot) before the commit that makes its round reachable, so every worker's slice of the stream is disjoint and
@@ -34,6 +37,8 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
+from collections import deque
 
 from train.core.errors import ConfigError
 from train.exchange.layout import Layout, per_slot
@@ -42,6 +47,8 @@ log = logging.getLogger("pace")
 
 GRACE = 1.5        # a worker behind its plan stops at this x round_time_s (noise in step times stays inside it)
 HYSTERESIS = 0.05  # a new plan is written when some worker's H moves by more than this fraction (and >= 1 step)
+HISTORY = 3        # a worker's rate: the median of its last HISTORY measured rates ...
+STEP_CHANGE = 0.3  # ... unless the newest is this far off that median: then from the newest on (a change of speed)
 
 
 def calibration_steps(cap: int) -> int:
@@ -56,6 +63,7 @@ class Pace:
         self.oc, self.batch = oc, batch  # batch: windows per inner step (inner.total_batch_size)
         self.given = bool(oc.step_rates)
         self.rates: dict[int, float] = {int(k): float(v) for k, v in oc.step_rates.items()}
+        self.history: dict[int, deque] = {}  # each worker's last measured rates
 
     # -- measurements ---------------------------------------------------------------------------------------------
     def observe(self, metas: dict[int, dict]) -> None:
@@ -68,7 +76,12 @@ class Pace:
             except (TypeError, ValueError):
                 continue
             if steps > 0 and secs > 0:
-                self.rates[w] = steps / secs
+                rate = steps / secs
+                hist = self.history.setdefault(w, deque(maxlen=HISTORY))
+                if hist and abs(rate / statistics.median(hist) - 1) > STEP_CHANGE:
+                    hist.clear()  # a change of speed, not noise
+                hist.append(rate)
+                self.rates[w] = statistics.median(hist)
 
     def learn_from(self, lay: Layout, r: int) -> None:
         """A resumed coordinator: the H of round r's plan stand for the rates it learned (rate = H / round time),
