@@ -1,7 +1,10 @@
 """The screen (outer.screen, train/exchange/screen.py): a well-formed but bad delta — scaled x100, sign-flipped —
 among 4 workers' is rejected with its reason in metrics.jsonl and the commit record, never averaged, whatever the
 codec; every copy of θ (a fresh replay from the commit records) is bit-identical to the coordinator's. A worker
-screened out 3 rounds in a row is said in one line and listed in the round's record."""
+screened out 3 rounds in a row is said in one line and listed in the round's record. The loss screen
+(outer.screen_loss, train/exchange/loss_screen.py) evaluates θ_r − Δ as the coordinator decoded it, whatever the codec
+and with fragments, and rejects same-norm noise among 2 workers' deltas trained for real; with real processes:
+test_two_workers_one_publishing_noise."""
 from __future__ import annotations
 
 import pytest
@@ -18,14 +21,15 @@ from train.exchange.theta import GlobalTheta, theta_checksum
 W = 4
 
 
-def _coordinator(tmp_path, compression="none", **outer):
-    over = {"num_workers": W, "min_workers": 2, "round_timeout_s": 0.5, "rounds": 5, **outer}
+def _coordinator(tmp_path, compression="none", workers=W, corpus=False, **outer):
+    """In process, set up at round 0; `corpus`: the shipped corpus (deltas that learn something), else fake data."""
+    over = {"num_workers": workers, "min_workers": min(2, workers - 1), "round_timeout_s": 0.5, "rounds": 5, **outer}
     if compression != "none":
         over["compression"] = compression
         if compression == "topk":
             over.update(density=0.05, chunk_size=100)
-    cfg = build_config(tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000}, outer=over,
-                                   logging={"progress": False}))
+    data = {} if corpus else {"data": {"fake_data": True, "fake_tokens": 20000}}
+    cfg = build_config(tiny_config(tmp_path, outer=over, logging={"progress": False}, **data))
     co = Coordinator(cfg, progress=False)
     co.setup()
     return co
@@ -53,7 +57,9 @@ def _deltas(theta, r: int, bad: str | None, bad_worker: int = 2) -> dict[int, di
 def _publish(co, r: int, w: int, delta: dict) -> None:
     theta = co.master.theta.tensors
     params = {k: theta[k] - delta[k] for k in theta}  # the worker's model: Δ = θ_r − θ_w
-    file = write_delta(co.paths.delta_file(r, w), co.names, theta, params, co.master.delta_codec, r, w)
+    frags = co.master.frags  # (streaming DiLoCo: round r's fragment alone)
+    file = write_delta(co.paths.delta_file(r, w), frags.pieces(r), frags.view(r, theta), frags.view(r, params),
+                       co.master.delta_codec, r, w)
     side = delta_sidecar(r, w, file, inner_steps=5, tokens=1000 * (w + 1), loss=3.0)
     off, n = co.layout.slice(r, w)
     side["data"] = {"segment": 0, "offset": off, "windows": n, "read": n}
@@ -94,9 +100,10 @@ def test_a_bad_delta_is_screened_out_and_every_copy_of_theta_agrees(tmp_path, co
         assert moved < 3 * healthy * co.cfg.outer.lr
 
 
-def test_healthy_rounds_and_same_norm_noise_are_not_screened_out(tmp_path):
-    """Healthy deltas pass; so does noise of the same norm (cosine about 0: what the default cannot see)."""
-    co = _coordinator(tmp_path)
+def test_healthy_rounds_and_same_norm_noise_are_not_screened_out_by_norm_and_cosine(tmp_path):
+    """Healthy deltas pass; so does noise of the same norm (cosine about 0: what the norm and cosine rules cannot
+    see; the loss screen, off here, can: test_the_loss_screen_rejects_noise_among_two_trained_deltas)."""
+    co = _coordinator(tmp_path, screen_loss="off")
     for r, bad in [(0, None), (1, "noise")]:
         for w, d in _deltas(co.master.theta.tensors, r, bad).items():
             _publish(co, r, w, d)
@@ -125,3 +132,104 @@ def test_a_worker_screened_out_three_rounds_in_a_row_is_reported_once(tmp_path, 
     assert len(said) == 1 and said[0].startswith("worker 1: its delta was screened out 3 rounds in a row"), said
     assert [r.get("screened_out_in_a_row") for r in recs] == [None, None, {"w001": 3}, {"w001": 4}]
     assert all("w001" in r["rejected"] for r in recs)
+
+
+def _evaluate(co, theta) -> float:
+    from train.core.inner import evaluate
+    from train.core.model import params_of
+
+    ls = co.loss_screen
+    p = params_of(ls.model)
+    with torch.no_grad():
+        for k in co.names:
+            p[k].copy_(theta[k])
+    return evaluate(ls.model, ls.batch, ls.batch_size, ls.device, ls.precision)
+
+
+@pytest.mark.parametrize("compression,fragments", [("none", 1), ("int8", 1), ("topk", 1), ("none", 2)])
+def test_the_loss_screen_evaluates_theta_r_minus_each_decoded_delta(tmp_path, compression, fragments):
+    """Each delta's loss is that of θ_r − Δ (decoded: what the sum gets; with fragments, the round's fragment of it
+    on the rest of θ_r), taken while the accumulator (or the step, for the last one) reads it; θ_r's loss too."""
+    co = _coordinator(tmp_path, compression, **({"fragments": fragments, "local_steps": 4} if fragments > 1 else {}))
+    assert co.loss_screen is not None
+    theta0 = {k: v.clone() for k, v in co.master.theta.tensors.items()}
+    deltas = _deltas(theta0, 0, None)
+    piece_names = set(co.master.frags.pieces(0))  # with fragments: the round's fragment alone is published
+    for w, d in deltas.items():
+        _publish(co, 0, w, d)
+    rec = co.run_round(0)
+    co.evals.join()
+    ls = co.loss_screen
+    assert rec["rejected"] == {} and set(ls.losses) == set(range(W)), rec
+    assert ls.base_loss == pytest.approx(_evaluate(co, theta0), abs=1e-6)
+    for w, d in deltas.items():
+        cand = {}
+        for k in theta0:
+            part = {k} & piece_names if fragments == 1 else {p for p in piece_names if p.split("[")[0] == k}
+            cand[k] = theta0[k].clone()
+            if fragments == 1 and part:
+                cand[k] = theta0[k] - d[k]
+            for p in part if fragments > 1 else ():
+                rows = p[len(k):].strip("[]").split(":") if "[" in p else None
+                if rows:
+                    a, e = int(rows[0]), int(rows[1])
+                    cand[k][a:e] = theta0[k][a:e] - d[k][a:e]
+                else:
+                    cand[k] = theta0[k] - d[k]
+        want = _evaluate(co, cand)
+        # int8 / topk: the decoded delta differs from Δ by its quantisation (topk: the values it did not send)
+        tol = 1e-6 if compression == "none" else 5e-3
+        assert ls.losses[w] == pytest.approx(want, abs=tol), (w, ls.losses[w], want)
+        assert rec["screen"][f"w{w:03d}"]["loss"] == pytest.approx(ls.losses[w], abs=1e-5)
+    assert rec["screen_loss_base"] == pytest.approx(ls.base_loss, abs=1e-5)
+
+
+def _trained(co, theta, w: int, r: int, steps: int = 10) -> dict:
+    """A real worker's delta: `steps` AdamW steps from θ_r on windows of worker w's part of the training stream."""
+    import copy
+
+    from train.core.inner import lm_loss
+    from train.core.model import params_of
+
+    model = copy.deepcopy(co.loss_screen.model)
+    p = params_of(model)
+    with torch.no_grad():
+        for k in co.names:
+            p[k].copy_(theta[k])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    lo = (w * 997 + r * 131) % max(1, co.data.n_train_windows - 8 * steps)
+    for s in range(steps):
+        batch = torch.stack([torch.from_numpy(co.data.window((lo + s * 8 + i) * co.data.seq_length))
+                             for i in range(8)])
+        opt.zero_grad()
+        lm_loss(model, batch).backward()
+        opt.step()
+    return {k: theta[k] - p[k].detach() for k in co.names}
+
+
+def test_the_loss_screen_rejects_noise_among_two_trained_deltas(tmp_path):
+    """2 workers, deltas trained for real; worker 1's of round 1 is noise of its norm: rejected by the loss screen
+    with its figures, θ_2 is the outer step of worker 0's delta alone; the healthy rounds reject nothing."""
+    co = _coordinator(tmp_path, workers=2, corpus=True, lr=1.0, momentum=0.0)
+    for r in range(3):
+        theta = {k: v.clone() for k, v in co.master.theta.tensors.items()}
+        ds = {w: _trained(co, theta, w, r) for w in range(2)}
+        if r == 1:
+            g = torch.Generator().manual_seed(7)
+            n = {k: torch.randn(v.shape, generator=g) for k, v in ds[1].items()}
+            scale = (sum(v.pow(2).sum() for v in ds[1].values()) / sum(v.pow(2).sum() for v in n.values())).sqrt()
+            ds[1] = {k: v * scale for k, v in n.items()}
+        for w, d in ds.items():
+            _publish(co, r, w, d)
+        rec = co.run_round(r)
+        if r != 1:
+            assert rec["rejected"] == {} and rec["workers_used"] == [0, 1], rec
+            continue
+        assert rec["workers_used"] == [0], rec
+        why = rec["rejected"]["w001"]
+        assert why.startswith("screen: loss of θ_r − Δ") and "outer.screen_loss_margin" in why, why
+        info = rec["screen"]["w001"]
+        assert info["loss_gain"] < info["loss_bar"] < rec["screen"]["w000"]["loss_gain"], rec["screen"]
+        for k in theta:  # lr 1, momentum 0: θ_2 = θ_1 − Δ_0
+            assert torch.equal(co.master.theta.tensors[k], theta[k] - ds[0][k]), k
+    co.evals.join()

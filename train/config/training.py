@@ -170,6 +170,19 @@ class OuterConfig:
                                          "round's other deltas is below this is rejected (healthy rounds measured "
                                          "0.63-0.87 with fp32 / int8 deltas, 0.18-0.53 with topk, where -0.1 "
                                          "catches a flipped delta: docs/protocol.md).")
+    screen_loss: Literal["auto", "on", "off"] = doc(
+        "auto", "The loss screen (with `screen`): each delta judged by the loss of θ_r − Δ against θ_r's on a few "
+        "held-out windows drawn each round (none a worker trains on, none of the reported eval's); a delta that "
+        "makes it worse by more than screen_loss_margin while the round's others improve it, gains less than a "
+        "quarter of what they gain, or is far worse than they are, is rejected, also with 1 or 2 workers "
+        "(docs/protocol.md). auto: on where one evaluation takes at most 0.25 s on the coordinator's device "
+        "(the log says which, and why).")
+    screen_loss_windows: int = doc(16, "Held-out windows (of data.seq_length tokens) the loss screen evaluates "
+                                       "each delta on (16: the loss differences of healthy deltas on them vary "
+                                       "within about 0.005: docs/protocol.md).")
+    screen_loss_margin: float = doc(0.01, "The loss screen's margin, in nats of mean token loss: healthy deltas of "
+                                          "the measured runs stayed at least 0.0086 above their bar with it "
+                                          "(docs/protocol.md).")
     delta_dtype: Literal["float32", "bfloat16", "float16"] = doc(
         "float32", "dtype of published pseudo-gradients: float32, bfloat16 or float16.")
     keep_rounds: int = doc(2, "Committed rounds kept on disk (older global models and deltas are deleted).")
@@ -342,6 +355,9 @@ class OuterConfig:
         check_range(self, p, "disk_full_wait_s", 0.0)
         check_range(self, p, "screen_norm_ratio", 1.0, lo_open=True)
         check_range(self, p, "screen_min_cosine", -1.0, 1.0)
+        check_choice(self, p, "screen_loss")
+        check_range(self, p, "screen_loss_windows", 1)
+        check_range(self, p, "screen_loss_margin", 0.0)
         check_range(self, p, "keep_rounds", 1)
         check_choice(self, p, "delta_dtype")
         check_choice(self, p, "compression")

@@ -138,6 +138,7 @@ class Coordinator:
         self.master = OuterMaster(paths, cfg.outer, cfg.outer.rounds)
         self.master.resume(paths.latest_committed())
         self.names = self.master.names
+        self.loss_screen = self.make_loss_screen()
         if cfg.outer.fragments > 1:
             log.info("streaming DiLoCo: %d fragments, one synced every %d inner steps (τ = %d, α = %g): %s",
                      cfg.outer.fragments, cfg.outer.round_steps_at(0), cfg.outer.fragment_delay,
@@ -146,6 +147,30 @@ class Coordinator:
                 log.info("outer.late_weight = %g is not used with fragments: a delta that misses its round is "
                          "dropped (the next round syncs another fragment; docs/streaming.md)", cfg.outer.late_weight)
         self.log_missing_record(paths.latest_committed(), resumed=not fresh)
+
+    def make_loss_screen(self):
+        """outer.screen_loss (train/exchange/loss_screen.py): the screen's own copy of the model on the coordinator's
+        device and its held-out windows, or None (off: outer.screen off, outer.screen_loss off, or auto and one
+        evaluation too slow here); one line says which and why."""
+        import copy
+
+        from train.exchange.loss_screen import LossScreen, ScreenWindows, auto_decision, forward_flops
+
+        cfg, oc = self.cfg, self.cfg.outer
+        if not oc.screen or oc.screen_loss == "off":
+            return None
+        windows = ScreenWindows(self.data, cfg.eval.batches * cfg.eval.batch_size, oc.screen_loss_windows, cfg.seed)
+        ls = LossScreen(copy.deepcopy(self.model), windows, cfg.eval.batch_size, self.device, cfg.inner.precision,
+                        self.names)
+        r = self.master.round
+        ls.begin(r, self.master.theta, self.master.frags, self.master.frags.shapes(r))  # (the first one warms up)
+        ls.begin(r, self.master.theta, self.master.frags, self.master.frags.shapes(r))
+        flops = forward_flops(sum(t.numel() for t in self.master.theta.tensors.values()), len(ls.batch),
+                              cfg.data.seq_length)
+        on, line = auto_decision(oc.screen_loss, flops, self.device.type, ls.seconds[-1],
+                                 f"{windows.describe()} on {self.device}")
+        log.info("%s", line)
+        return ls if on else None
 
     # -- the data layout (train/exchange/layout.py) ------------------------------------------------------------------
     def round_windows(self, r: int) -> int:
@@ -309,6 +334,9 @@ class Coordinator:
         self.membership.set_workers(N)
         self.lease.set("collecting", round=r)
         acc = self.master.new_accumulator(r, N)
+        if self.loss_screen is not None:  # θ_r's loss on the round's windows, now (off the tail)
+            self.loss_screen.begin(r, self.master.theta, self.master.frags, acc.shapes)
+            acc.loss = self.loss_screen
         rejected: dict[int, str] = {}
         t0 = time.monotonic()
         t_last = time.perf_counter()
@@ -426,7 +454,7 @@ class Coordinator:
         self.screen_info, self.screen_streak = {}, {}
         if not oc.screen:
             return
-        out, self.screen_info = screen_round(acc, oc.screen_norm_ratio, oc.screen_min_cosine)
+        out, self.screen_info = screen_round(acc, oc.screen_norm_ratio, oc.screen_min_cosine, oc.screen_loss_margin)
         streak = getattr(self, "_streak", {})
         for w in list(streak):
             if w in acc.workers:
@@ -503,6 +531,8 @@ class Coordinator:
                               wait_s=round(t_wait, 3), reduce_s=round(t_reduce, 3))
         if self.cfg.outer.screen:
             record["screen"] = self.screen_info
+            if self.loss_screen is not None:  # θ_r's loss on the round's windows (each delta's: in "screen")
+                record["screen_loss_base"] = round(self.loss_screen.base_loss, 5)
             if self.screen_streak:
                 record["screened_out_in_a_row"] = self.screen_streak
         record["bytes_deltas"] = sum(int(metas[w].get("bytes", 0)) for w in ok)  # the deltas averaged in

@@ -151,6 +151,9 @@ class Accumulator:
         # outer.screen: each on-time delta's norm and sample, taken as it is decoded (train/exchange/screen.py; its
         # sample size from the `expected` deltas of the round)
         self.stats = DeltaStats(shapes, expected) if screen else None
+        # outer.screen_loss: θ_r − Δ of each observed delta, written piece by piece as it is decoded and evaluated
+        # when whole (train/exchange/loss_screen.py's LossScreen, set by the coordinator; None: off)
+        self.loss = None
 
     def add(self, w: int, meta: dict, late_weight: float | None = None, observe: bool = True) -> None:
         """Check worker w's delta (its sidecar already passed check_sidecar) and add it; RejectedDelta otherwise.
@@ -207,6 +210,7 @@ class Accumulator:
         if reason is not None:
             if key is not None:
                 self.stats.forget(w)
+                self.forget_loss(w)
             if touched:  # take its tensors back out: the sum of the accepted files, rebuilt in a fixed order
                 self.drop(set())
             raise RejectedDelta(w, reason)
@@ -217,6 +221,7 @@ class Accumulator:
             return
         if key is not None:
             self.stats.seal(w)  # its Gram row now, while the round collects (screen.py)
+            self.finish_loss(w)
         self.workers.append(w)
         self.metas[w] = meta
         self.weights[w] = a
@@ -240,6 +245,13 @@ class Accumulator:
         if key is not None:
             with ph("screen"):
                 self.stats.observe_chunk(key, next(iter(self.shapes)), 0, d)
+            if self.loss is not None:
+                with ph("screen: θ_r − Δ"):
+                    pos = 0
+                    for n, shape in self.shapes.items():
+                        k = math.prod(shape)
+                        self.loss.candidate(n, 0, d[pos:pos + k])
+                        pos += k
         with ph("accumulate"):
             pos = 0
             for n, shape in self.shapes.items():
@@ -284,6 +296,9 @@ class Accumulator:
             if observe:
                 with ph("screen"):
                     stats.append(self.stats.chunk_stats(n, i, d))
+                if self.loss is not None:
+                    with ph("screen: θ_r − Δ"):
+                        self.loss.candidate(n, i, d)
             with ph("accumulate"):
                 if first:
                     torch.mul(d, a, out=s[i:j])
@@ -325,6 +340,7 @@ class Accumulator:
         """Worker w's delta, added (and its weight counted in total) by its caller, joins the accepted ones."""
         if observed and self.stats is not None:
             self.stats.seal(w)
+            self.finish_loss(w)
         self.workers.append(w)
         self.metas[w] = meta
         self.weights[w] = a
@@ -339,10 +355,21 @@ class Accumulator:
         for w in out:
             if self.stats is not None:
                 self.stats.forget(w)
+            self.forget_loss(w)
         for w, meta in keep:
             self.add(w, meta, observe=False)
         for w, meta, lw in late:
             self.add(w, meta, late_weight=lw)
+
+    def finish_loss(self, w: int) -> None:
+        """outer.screen_loss: worker w's delta is whole and accepted: the loss of θ_r − Δ_w (one evaluation)."""
+        if self.loss is not None:
+            with self.phases("screen: loss of θ_r − Δ"):
+                self.loss.finish(w)
+
+    def forget_loss(self, w: int) -> None:
+        if self.loss is not None:
+            self.loss.forget(w)
 
     def mean(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The weighted mean delta of one tensor, float32 (into `out` when given: a flat float32 tensor)."""

@@ -210,9 +210,12 @@ def decide(keys: list, norms: list[float], gram, weights: list[float], ratio: fl
     return rejected, info
 
 
-def screen_round(acc, ratio: float, min_cos: float) -> tuple[dict[int, str], dict]:
+def screen_round(acc, ratio: float, min_cos: float, margin: float = 0.0) -> tuple[dict[int, str], dict]:
     """Screen the on-time deltas an accumulator (accumulate.py's or sparse.py's, made with screen=True) added, and
-    drop the rejected from it. Returns ({worker: reason}, {"w000": {norm_ratio, cos}, ...})."""
+    drop the rejected from it: the norm and cosine rules (`decide`, rounds of at least MIN_DELTAS), then, where the
+    accumulator has a LossScreen (`acc.loss`: outer.screen_loss), the loss rule among the deltas they kept, in
+    rounds of any size (train/exchange/loss_screen.py `decide_loss`, `margin`: outer.screen_loss_margin).
+    Returns ({worker: reason}, {"w000": {norm_ratio, cos, loss, loss_gain, loss_bar}, ...})."""
     st = acc.stats
     if st is None:
         return {}, {}
@@ -221,6 +224,16 @@ def screen_round(acc, ratio: float, min_cos: float) -> tuple[dict[int, str], dic
     fresh = {w for w in keys if (acc.metas.get(w) or {}).get("fresh_moments")}
     rejected, info = decide(keys, norms, st.gram(keys) if len(keys) >= MIN_DELTAS else None,
                             [acc.weights[w] for w in keys], ratio, min_cos, fresh)
+    ls = getattr(acc, "loss", None)
+    if ls is not None:
+        from train.exchange.loss_screen import decide_loss
+
+        kept = [w for w in keys if w not in rejected and w in ls.losses]
+        out, linfo = decide_loss(kept, [ls.losses[w] for w in kept], ls.base_loss, margin,
+                                 [float(acc.metas[w].get("inner_steps") or 1) for w in kept], fresh)
+        rejected.update(out)
+        for w, v in linfo.items():
+            info[w].update(v)
     if rejected:
         acc.drop(set(rejected))
     return rejected, {f"w{w:03d}": v for w, v in info.items() if v}

@@ -310,6 +310,7 @@ class SparseAccumulator:
         self.bytes_read = 0
         self._sums: dict[str, torch.Tensor] | None = None
         self.stats = DeltaStats(shapes, expected) if screen else None  # outer.screen: of the decoded deltas
+        self.loss = None  # outer.screen_loss: the coordinator's LossScreen (train/exchange/loss_screen.py)
         # per delta and tensor, what the sums take: (positions within their RANGE, a · values in float64, where
         # each RANGE starts in them); made once, on arrival where decode_on_arrival (the coordinator: so the
         # commit after the last delta decodes that one alone), else when first needed (a worker's θ: on the lanes)
@@ -334,12 +335,18 @@ class SparseAccumulator:
                 if observe:
                     with ph("screen"):
                         self.stats.take(w, self.sparse_stats(n, stored, k, (pos, vals)))
+                    if self.loss is not None:
+                        with ph("screen: θ_r − Δ"):
+                            self.loss.candidate_sparse(n, pos, vals)
                 if self.decode_on_arrival and _whole(a):
                     with ph("decode"):
                         self._sel.setdefault(key, {})[n] = _summand(pos, vals, a, k)
             if observe:
                 with ph("screen"):
                     self.stats.seal(w)  # its Gram row now, while the round collects (screen.py)
+                if self.loss is not None:
+                    with ph("screen: loss of θ_r − Δ"):
+                        self.loss.finish(w)
         if late:
             self.late[w] = meta
             return
@@ -372,6 +379,8 @@ class SparseAccumulator:
             self.weights.pop(w, None)
             if self.stats is not None:
                 self.stats.forget(w)
+            if self.loss is not None:
+                self.loss.forget(w)
         self.workers = [w for w in self.workers if w not in out]
         self._sums = None
 
