@@ -6,6 +6,7 @@
     tests.helpers.sshd       a private OpenSSH server on a loopback port (marker `ssh`)
     tests.helpers.slurm      a private Slurm: munged, slurmctld, three slurmd on loopback (marker `slurm`)
     tests.helpers.fusefs     NFS-client emulation, one FUSE mount per process (also used by bench/nfs.py)
+    tests.helpers.seaweed    a private SeaweedFS on loopback, one `weed mount` per process (also bench/soak.py)
     tests/helpers/diloco_opt_worker.py   a script: one DiLoCoOptimizer worker (tests/e2e/test_diloco_optimizer.py)
 
 Torch CPU threads: EDT_TEST_THREADS (default 1) is the thread count of the test process and of every worker a test
