@@ -233,3 +233,52 @@ def test_the_loss_screen_rejects_noise_among_two_trained_deltas(tmp_path):
         for k in theta:  # lr 1, momentum 0: θ_2 = θ_1 − Δ_0
             assert torch.equal(co.master.theta.tensors[k], theta[k] - ds[0][k]), k
     co.evals.join()
+
+
+def test_two_workers_one_publishing_noise(tmp_path, monkeypatch):
+    """The real processes (diloco.py and two workers, worker 1 bench/soak_worker.py publishing noise of its delta's
+    norm in round 1, as silent data corruption would): the loss screen rejects that delta with its figures, the run
+    finishes, θ_2 is the outer step of worker 0's delta alone (lr 1, momentum 0: θ_1 − Δ_0), and the healthy rounds
+    reject nothing."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.helpers import REPO, TEST_THREADS
+    from tests.helpers.proc import kill_all, start_script
+    from train.exchange.store import DiLoCoPaths
+
+    raw = tiny_config(tmp_path / "runs", outer={"num_workers": 2, "min_workers": 1, "rounds": 3, "local_steps": 8,
+                                               "lr": 1.0, "momentum": 0.0, "keep_rounds": 10})
+    cfg = tmp_path / "evolution.json"
+    cfg.write_text(json.dumps(raw))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "w001-r000001.json").write_text(json.dumps({"kind": "noise"}))
+    monkeypatch.setenv("SOAK_BAD_DELTAS", str(bad))
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs = [start_script([str(REPO / "diloco.py"), "--config", str(cfg), "--no-progress"], logs / "coordinator.log")]
+    procs += [start_script([str(REPO / "bench" / "soak_worker.py"), "--config", str(cfg), "--worker", str(w),
+                            "--threads", str(TEST_THREADS)], logs / f"w{w}.log") for w in (0, 1)]
+    try:
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        kill_all(procs)
+    said = (logs / "coordinator.log").read_text()
+    assert [p.returncode for p in procs] == [0, 0, 0], said
+    assert "outer.screen_loss (auto): on" in said
+    rows = {row["round"]: row for row in read_jsonl(paths.metrics)}
+    assert "publishing a bad delta on purpose (noise)" in (logs / "w1.log").read_text()
+    why = rows[2]["rejected"]["w001"]
+    assert why.startswith("screen: loss of θ_r − Δ") and "outer.screen_loss_margin" in why, why
+    assert rows[2]["workers_used"] == [0] and read_json(paths.committed(2))["workers"] == [0]
+    assert all(rows[k]["rejected"] == {} and rows[k]["workers_used"] == [0, 1] for k in (1, 3)), rows
+    theta1 = load_file(str(paths.global_dir(1) / "model.safetensors"))
+    theta2 = load_file(str(paths.global_dir(2) / "model.safetensors"))
+    delta0 = load_file(str(paths.delta_file(1, 0)))
+    for k in theta1:
+        assert torch.equal(theta2[k], theta1[k] - delta0[k]), k
+    assert (paths.final / "model.safetensors").is_file()
