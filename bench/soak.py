@@ -43,7 +43,8 @@ Invariants, checked live (every committed round as it appears, from the backing 
     - no data window read twice (the metrics rows' data slices);
     - every rejected or missing delta has a reason in metrics; the screen does what it says with every bad delta
       (x100 is always rejected in a round of >= 3 on-time deltas; a flipped or noise delta when its cosine with the
-      others' mean is under outer.screen_min_cosine; what became of each is listed);
+      others' mean is under outer.screen_min_cosine, or, with the loss screen (outer.screen_loss), in any round
+      whose other deltas gained at least LOSS_PROMISE on the held-out windows; what became of each is listed);
     - a frozen worker (SIGSTOP) or one whose mount hung catches up by itself, without a restart;
     - no traceback in any log;
     - RSS of the coordinator and of each worker grows at most 10% from round 100 (--quick: a quarter of the rounds)
@@ -84,6 +85,9 @@ KINDS = ("kill_worker", "kill_supervisor", "kill_coordinator", "stop_worker", "e
          "disk_full", "bad_delta", "join", "leave", "move_coordinator")
 STORAGE_KINDS = ("freeze_storage", "restart_storage")  # --storage seaweedfs: the storage server itself fails
 BAD_KINDS = ("scale", "flip", "noise")
+# the loss screen's promise (docs/protocol.md): a bad delta (its gain <= 0) is rejected wherever the others' median
+# gain is over outer.screen_loss_margin / 0.25; checked with twice that (0.08 nats at the default margin of 0.01)
+LOSS_PROMISE = 0.08
 PROJECT = "soak"
 MIN_GAP_S = 3.0  # two faults start at least this far apart, whatever --every-rounds says
 
@@ -658,12 +662,18 @@ class Soak:
             screened = len(row.get("screen") or {}) >= 3 and not late
             catchable = screened and (float(seen.get("norm_ratio", 1.0)) > ratio or 1 / max(
                 float(seen.get("norm_ratio", 1.0)), 1e-12) > ratio or float(seen.get("cos", 1.0)) < min_cos)
+            others = sorted(float(v["loss_gain"]) for k, v in (row.get("screen") or {}).items()
+                            if k != key and "loss_gain" in v)
+            ref = (others[(len(others) - 1) // 2] + others[len(others) // 2]) / 2 if others else None
+            catchable = catchable or (not late and "loss_gain" in seen and ref is not None and ref >= LOSS_PROMISE)
             what = (f"averaged in{' (late: not screened)' if late else ''}: the screen saw norm ratio "
-                    f"{seen.get('norm_ratio', '-')}, cosine {seen.get('cos', '-')}")
+                    f"{seen.get('norm_ratio', '-')}, cosine {seen.get('cos', '-')}, loss gain "
+                    f"{seen.get('loss_gain', '-')} (the others' median {'-' if ref is None else round(ref, 4)})")
             self.bad_outcomes.append(f"round {rr}, worker {w}, {bad}: {what}")
             if catchable or (bad == "scale" and screened):
                 violations.append(f"round {rr}: worker {w}'s bad delta ({bad}) was averaged in although the screen "
-                                  f"saw norm ratio {seen.get('norm_ratio')} and cosine {seen.get('cos')}")
+                                  f"saw norm ratio {seen.get('norm_ratio')}, cosine {seen.get('cos')} and loss gain "
+                                  f"{seen.get('loss_gain')} (the others' median {ref})")
         # tracebacks
         logs = sorted((self.out / "logs").glob("*.log")) + sorted((self.run / "logs").glob("*.log"))
         tb = [p.name for p in logs if "Traceback (most recent call last)" in p.read_text(errors="replace")]
@@ -916,8 +926,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"{', '.join(STORAGE_KINDS)} need --storage seaweedfs")
     if a.no_faults:
         a.faults, a.max_faults = [], 0
-    if a.workers < 3:
-        ap.error("--workers must be >= 3 (the screen of bad deltas needs 3 deltas in a round)")
+    if a.workers < 2:
+        ap.error("--workers must be >= 2 (the loss screen judges a bad delta against another's)")
     return a
 
 
