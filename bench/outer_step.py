@@ -35,6 +35,14 @@ reported):
 Each breakdown row is busy seconds summed over threads (reading, hashing and writing run beside the arithmetic, so
 the rows can sum to more than the wall time). Targets: tail / floor <= 1.5 at every N; tail(N max) / tail(N min)
 <= 1.2. Writes bench/results/outer_step[_<codec>].json.
+
+    python bench/outer_step.py --loss-screen [--small] [--device cuda]
+
+The loss screen's cost per delta (outer.screen_loss, train/exchange/loss_screen.py) at the micro and the 135M shapes
+(--small: the small one instead of 135M), each against adding the same delta without it, measured in the same run:
+the accumulator's add of one delta with the norm / cosine screen (the baseline), the same add with the loss screen
+(θ_r − Δ written as the delta is decoded, then one evaluation on outer.screen_loss_windows windows of
+data.seq_length tokens), and what outer.screen_loss = auto decides there. Writes bench/results/loss_screen.json.
 """
 from __future__ import annotations
 
@@ -284,6 +292,102 @@ def load_average() -> str:
         return "?"
 
 
+def loss_screen_cost(shape: str, model_cfg, seq: int, windows: int, repeats: int, device: str) -> dict:
+    """One shape: the add of one delta without and with the loss screen (medians of `repeats`), the evaluation
+    alone, and auto's decision."""
+    from transformers import AutoModelForCausalLM
+
+    from train.core.model import save_model_dir
+    from train.core.phases import Phases
+    from train.core.store import atomic_write_json
+    from train.exchange.accumulate import Accumulator
+    from train.exchange.codec import get_codec
+    from train.exchange.fragments import Fragments
+    from train.exchange.loss_screen import LossScreen, auto_decision, forward_flops
+    from train.exchange.protocol import check_sidecar, delta_sidecar, publish_sidecar, write_delta
+    from train.exchange.store import DiLoCoPaths
+    from train.exchange.theta import file_order
+
+    root = Path(tempfile.mkdtemp(prefix="edt-bench-ls-"))
+    try:
+        paths = DiLoCoPaths(root / "bench")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(model_cfg, dtype=torch.float32)
+        save_model_dir(model, paths.global_dir(0))
+        atomic_write_json(paths.committed(0), {"round": 0})
+        names = file_order(paths.global_dir(0) / "model.safetensors")
+        theta = {k: v.detach().clone() for k, v in model.named_parameters()}
+        params = {k: theta[k] - torch.randn(theta[k].shape) * 1e-3 for k in names}
+        codec = get_codec("float32")
+        file = write_delta(paths.delta_file(0, 0), names, theta, params, codec, 0, 0)
+        publish_sidecar(paths, delta_sidecar(0, 0, file, inner_steps=50, tokens=1000, loss=3.0))
+        del params
+        shapes = {k: tuple(theta[k].shape) for k in names}
+        numel = sum(t.numel() for t in theta.values())
+        vocab = model_cfg.vocab_size
+
+        class _Data:  # held-out windows of random tokens: the cost does not depend on what they say
+            seq_length, tokens, n_eval_tokens = seq, range((windows + 2) * seq + 1), (windows + 2) * seq + 1
+
+            @staticmethod
+            def window(start: int):
+                import numpy as np
+                return np.random.default_rng(start).integers(0, vocab, seq + 1, dtype=np.int64)
+
+        class _Theta:
+            tensors = theta
+
+        from train.exchange.loss_screen import ScreenWindows
+
+        dev = torch.device(device)
+        ls = LossScreen(model.to(dev), ScreenWindows(_Data(), 0, windows, 0), min(windows, 16), dev, "fp32", names)
+        ls.begin(0, _Theta(), Fragments(shapes, 1), shapes)  # warm-up: the first evaluation allocates
+        meta = check_sidecar(paths, 0, 0, codec)
+        base, with_ls = [], []
+        for _ in range(repeats):
+            for on in (False, True):
+                acc = Accumulator(paths, 0, shapes, codec, True, screen=True, phases=Phases())
+                if on:
+                    acc.loss = ls
+                t = time.perf_counter()
+                acc.add(0, meta)
+                (with_ls if on else base).append(time.perf_counter() - t)
+        ev = median(ls.seconds[1:])
+        flops = forward_flops(numel, windows, seq)
+        on, line = auto_decision("auto", flops, dev.type, ev, f"{windows} windows x {seq} tokens")
+        return {"shape": shape, "params": numel, "windows": windows, "seq": seq, "device": device,
+                "add_s": median(base), "add_with_loss_s": median(with_ls), "evaluation_s": ev, "gflop": flops / 1e9,
+                "auto_on": on, "auto_line": line}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def loss_screen_main(args) -> None:
+    from common import REPO
+
+    from transformers import AutoConfig
+
+    micro = AutoConfig.from_pretrained(str(REPO / "configs" / "micro-llama.json"))
+    rows, res = [], []
+    for shape, mcfg, seq in (("micro (configs/micro-llama.json)", micro, 32),
+                             ("small" if args.small else "SmolLM2-135M", smollm_config(args.small), 128)):
+        print(f"{shape}: measuring ...", flush=True)
+        r = loss_screen_cost(shape, mcfg, seq, args.loss_windows, args.repeats, args.device)
+        res.append(r)
+        extra = r["add_with_loss_s"] - r["add_s"]
+        rows.append([shape, f"{r['params'] / 1e6:.2f}M", f"{r['windows']} x {r['seq']}", r["device"],
+                     f"{r['add_s'] * 1e3:.1f} ms", f"{r['add_with_loss_s'] * 1e3:.1f} ms",
+                     f"{extra * 1e3:.1f} ms", f"{r['evaluation_s'] * 1e3:.1f} ms",
+                     f"{r['add_with_loss_s'] / r['add_s']:.2f}x", "on" if r["auto_on"] else "off"])
+        print(f"  {r['auto_line']}", flush=True)
+    print(f"\nthe loss screen's cost per delta ({len(os.sched_getaffinity(0))} cores, torch threads "
+          f"{torch.get_num_threads()}; medians of {args.repeats})")
+    print(table(rows, ["shape", "parameters", "windows x tokens", "device", "add one delta (norm/cos screen)",
+                       "add with the loss screen", "the loss screen's share", "of it: one evaluation",
+                       "ratio to the add", "auto"]))
+    save_result("loss_screen" + ("_small" if args.small else ""), {"args": vars(args), "results": res})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 8])
@@ -294,9 +398,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, choices=(0, 1),
                     help="one round first, not counted (default 1: the process's first round faults in its memory)")
     ap.add_argument("--dir", default=None, help="where to put the files (default: a temp dir on /tmp's disk)")
+    ap.add_argument("--loss-screen", action="store_true", help="the loss screen's cost per delta instead (see above)")
+    ap.add_argument("--loss-windows", type=int, default=16, help="--loss-screen: outer.screen_loss_windows")
+    ap.add_argument("--device", default="cpu", help="--loss-screen: the coordinator's device (cpu, cuda)")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(cores)
+    if args.loss_screen:
+        loss_screen_main(args)
+        return
     results, rows, wrows, breakdowns = {}, [], [], []
     loads = [load_average()]
     for n in args.workers:
