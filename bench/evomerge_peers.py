@@ -15,8 +15,9 @@ The same in both:
     tool scores with its own evaluator (EDT in process, fp32: train/evomerge/lm_eval_fitness.py; mergekit-evolve
     saves each merge and loads it with lm-eval's HF backend, bf16 as it hard-codes).
   - budget: candidate evaluations (EDT: population x generations, generation 0 included; mergekit-evolve:
-    --max-fevals with --force-population-size = EDT's population, so both see the same batches); wall time on this
-    box is reported beside it.
+    --force-population-size = EDT's population and --max-fevals = budget - population, because CMA-ES
+    (cma.fmin2) runs one more generation than max-fevals allows and then scores its mean: budget + 1 evaluations);
+    wall time on this box is reported beside it.
   - the finalists: each tool's best model (EDT: final/; mergekit-evolve: final_model/, the merge of its
     best_config.yaml) is loaded with transformers and re-scored by ONE evaluator (ours, fp32) on other held-out items
     (`edt_final_<task>`, disjoint from the search items).
@@ -64,13 +65,23 @@ SETUP = "python bench/evomerge_peers.py --setup"
 INSTALL = (f"python -m venv --system-site-packages {VENV.relative_to(REPO)} && {VENV.relative_to(REPO)}/bin/pip "
            f"install -c requirements/lock.txt '{PIN}'")
 TASKS = ("addition", "reverse", "sort")
+# mergekit-evolve's scheduling (--strategy, --in-memory): pool of on-disk evaluators is its default; in-memory fails in
+# 0.1.5 (TypeError: Can't instantiate abstract class Task[Tensor], in mergekit's plan_in_memory)
+MK_MODES = {"in-memory": ["--strategy", "pool", "--in-memory"], "buffered": ["--strategy", "buffered"],
+            "serial": ["--strategy", "serial"], "pool": ["--strategy", "pool"]}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
 
-# The .pth hook of --setup: lm_eval.models.vllm_causallms as a placeholder when vllm does not import (see above).
-SHIM = '''"""EDT bench/evomerge_peers.py: mergekit 0.1.5's evolve code names lm_eval.models.vllm_causallms, which
-imports vllm (lm-eval >= 0.4.10). Without vllm that module becomes a placeholder whose VLLM class is never
-instantiated."""
+# The .pth hook of --setup (see the module doc): three fixes of mergekit-evolve 0.1.5 on a CPU box without vllm, each
+# applied when the module it concerns is imported in the venv's processes (the driver and every Ray worker).
+SHIM = '''"""EDT bench/evomerge_peers.py: mergekit-evolve 0.1.5 on a CPU-only machine without vllm. Three fixes, each
+when its module is imported; nothing else of mergekit, lm-eval or torch changes:
+  lm_eval.models             also load lm_eval.models.vllm_causallms, as lm-eval <= 0.4.9 did (mergekit names it);
+                             without vllm that module is a placeholder whose VLLM class refuses to be built
+  lm_eval.models.huggingface HFLM's device defaults to "cuda"; mergekit passes none: "cpu" where CUDA is absent
+  mergekit.evo.actors        its evaluator calls torch.cpu.empty_cache(), which torch does not have: a no-op
+"""
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -80,26 +91,56 @@ import sys
 NAME = "lm_eval.models.vllm_causallms"
 
 
-class _Placeholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname, path, target=None):
-        if fullname == "lm_eval.models":  # the package: after it loads, load its vllm module (as lm-eval <= 0.4.9)
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            if spec is not None and spec.loader is not None:
-                real = spec.loader.exec_module
+def _load_vllm_module(module):
+    importlib.import_module(NAME)
 
-                def exec_module(module, real=real):
-                    real(module)
-                    importlib.import_module(NAME)
-                spec.loader.exec_module = exec_module
-            return spec
-        if fullname != NAME or importlib.util.find_spec("vllm") is not None:
+
+def _hflm_cpu(module):
+    import torch
+
+    init = module.HFLM.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *a, **k):
+        if not torch.cuda.is_available() and str(k.get("device") or "cuda").startswith("cuda"):
+            k["device"] = "cpu"
+        init(self, *a, **k)
+    module.HFLM.__init__ = __init__
+
+
+def _cpu_empty_cache(module):
+    import torch
+
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None
+
+
+AFTER = {"lm_eval.models": _load_vllm_module, "lm_eval.models.huggingface": _hflm_cpu,
+         "mergekit.evo.actors": _cpu_empty_cache}
+
+
+class _Hooks(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == NAME:
+            return importlib.machinery.ModuleSpec(fullname, self) if importlib.util.find_spec("vllm") is None \\
+                else None
+        hook = AFTER.get(fullname)
+        if hook is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            real = spec.loader.exec_module
+
+            def exec_module(module, real=real, hook=hook):
+                real(module)
+                hook(module)
+            spec.loader.exec_module = exec_module
+        return spec
 
     def create_module(self, spec):
         return None
 
-    def exec_module(self, module):
+    def exec_module(self, module):  # the placeholder of lm_eval.models.vllm_causallms
         class VLLM:  # mergekit: a type annotation and `VLLM.AUTO_MODEL_CLASS = ...`; --vllm needs the real one
             AUTO_MODEL_CLASS = None
 
@@ -108,7 +149,7 @@ class _Placeholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.VLLM = VLLM
 
 
-sys.meta_path.insert(0, _Placeholder())
+sys.meta_path.insert(0, _Hooks())
 '''
 
 
@@ -137,7 +178,8 @@ def evolve_yaml(models: list[str], base: str, tasks: list[str], method: str, gra
 
 def mergekit_curve(stdout: str) -> list[tuple[int, float]]:
     """(evaluations so far, best score so far) after each CMA-ES generation, from mergekit-evolve's output:
-    `Received N genotypes` before a generation is scored, `New best score: X` after it when it improved."""
+    `Received N genotypes` before a generation is scored, `New best score: X` after it when it improved, and at the
+    end `Best cost: -X` (CMA-ES scores its final mean too, after the last generation's callback)."""
     evals, best, points = 0, None, []
     for line in stdout.splitlines():
         m = re.search(r"Received (\d+) genotypes", line)
@@ -147,8 +189,10 @@ def mergekit_curve(stdout: str) -> list[tuple[int, float]]:
             evals += int(m.group(1))
             continue
         m = re.search(r"New best score: (-?[\d.]+(?:e-?\d+)?)", line)
-        if m:
-            best = float(m.group(1)) if best is None else max(best, float(m.group(1)))
+        cost = re.search(r"Best cost: (-?[\d.]+(?:e-?\d+)?)", line)
+        if m or cost:
+            value = float(m.group(1)) if m else -float(cost.group(1))
+            best = value if best is None else max(best, value)
     if evals and best is not None:
         points.append((evals, best))
     return points
@@ -238,8 +282,8 @@ def setup_venv() -> int:
     site = subprocess.run([str(VENV / "bin" / "python"), "-c",
                            "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    Path(site, "edt_mergekit_vllm_placeholder.py").write_text(SHIM)
-    Path(site, "edt_mergekit_vllm_placeholder.pth").write_text("import edt_mergekit_vllm_placeholder\n")
+    Path(site, "edt_mergekit_cpu_compat.py").write_text(SHIM)
+    Path(site, "edt_mergekit_cpu_compat.pth").write_text("import edt_mergekit_cpu_compat\n")
     missing = evolve_missing(VENV / "bin" / "python")
     print(missing or f"mergekit-evolve ready in {VENV}")
     return 2 if missing else 0
@@ -295,8 +339,9 @@ def write_tasks(root: Path, models: Path, n_search: int, n_final: int) -> dict[s
     return names
 
 
-def rescore(model_dir: Path, tasks_dir: Path, names: list[str], batch_size: int) -> dict:
-    """One evaluator for every finalist: our lm-eval fitness (fp32, in process) on the given tasks."""
+def rescore(model_dir: Path, tasks_dir: Path, names: dict[str, list[str]], batch_size: int) -> dict[str, float]:
+    """One evaluator for every finalist: our lm-eval fitness (fp32, in process) on the search items and on the
+    other held-out items; {"search": fitness, "final": fitness, "scores": {task/metric: value}}."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -305,9 +350,10 @@ def rescore(model_dir: Path, tasks_dir: Path, names: list[str], batch_size: int)
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tok = ensure_chat_template(AutoTokenizer.from_pretrained(str(model_dir)))
-    fit = LMEvalFitness([{"name": n, "metric": "exact_match"} for n in names], str(tasks_dir),
-                        include_defaults=False, batch_size=batch_size)
-    return fit(model, tok)
+    fit = LMEvalFitness([{"name": n, "metric": "exact_match"} for kind in ("search", "final") for n in names[kind]],
+                        str(tasks_dir), include_defaults=False, batch_size=batch_size)
+    scores = fit(model, tok)["scores"]
+    return {"scores": scores, **{kind: sum(scores[f"{n}/exact_match"] for n in names[kind]) for kind in names}}
 
 
 # -- the two tools ---------------------------------------------------------------------------------------------------
@@ -372,9 +418,9 @@ def run_mergekit(tmp: Path, args, seed: int, models: Path, tasks_dir: Path, name
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             cmd = [str(bindir / "mergekit-evolve"), str(genome), "--storage-path", str(storage),
-                   "--max-fevals", str(args.evals), "--force-population-size", str(args.population),
+                   "--max-fevals", str(args.evals - args.population), "--force-population-size", str(args.population),
                    "--random-seed", str(seed), "--num-gpus", str(args.workers), "--no-merge-cuda",
-                   "--strategy", "pool", "--task-search-path", str(tasks_dir), "--batch-size", str(args.batch_size)]
+                   *MK_MODES[args.mk_mode], "--task-search-path", str(tasks_dir), "--batch-size", str(args.batch_size)]
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()
             out = ""
@@ -388,13 +434,11 @@ def run_mergekit(tmp: Path, args, seed: int, models: Path, tasks_dir: Path, name
                 time.sleep(1)
             log.write(out)
         finally:
-            try:
-                os.killpg(head.pid, signal.SIGTERM)
-                head.wait(20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+            for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):  # the head's whole process group
                 try:
-                    os.killpg(head.pid, signal.SIGKILL)
-                except ProcessLookupError:
+                    os.killpg(head.pid, sig)
+                    head.wait(wait)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
                     pass
     wall = time.time() - t0
     if p.returncode:
@@ -444,6 +488,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2, help="EDT workers = Ray actors (1 CPU each)")
     ap.add_argument("--batch-size", type=int, default=64, help="lm-eval batch size (both)")
     ap.add_argument("--mk-method", default="ties", choices=["ties", "dare_ties", "task_arithmetic", "linear"])
+    ap.add_argument("--mk-mode", default="pool", choices=sorted(MK_MODES),
+                    help="mergekit-evolve's scheduling (pool: its default)")
     ap.add_argument("--mk-granularity", type=int, default=2, help="mergekit-evolve layer_granularity (of 4 layers)")
     ap.add_argument("--edt-set", nargs=2, action="append", default=[], metavar=("SECTION.KEY", "JSON"),
                     type=str, help="one more EDT config value, e.g. --edt-set edt.mutation_steps 15")
@@ -490,14 +536,12 @@ def main() -> int:
                 print(f"  seed {seed} {tool}: best {best} in {n} of {run['curve'][-1][0] if run['curve'] else 0} "
                       f"evals, {run['wall_s']:.0f} s, {run['bytes'] / 1e6:.1f} MB written", flush=True)
                 run["best"], run["evals_to_best"] = best, n
-                for kind in ("search", "final"):  # one evaluator for every finalist
-                    run[f"rescore_{kind}"] = rescore(Path(run["final"]), tasks_dir, names[kind], args.batch_size)
+                run["rescore"] = rescore(Path(run["final"]), tasks_dir, names, args.batch_size)  # loads, or raises
                 run["loads"] = True
                 if args.keep:
                     shutil.copytree(run["final"], args.keep / f"{tool}-s{seed}", dirs_exist_ok=True)
                 runs.append(run)
-        parents = {name: rescore(d, tasks_dir, names["final"], args.batch_size)["fitness"] for name, d in
-                   models.items()}
+        parents = {name: rescore(d, tasks_dir, names, args.batch_size) for name, d in models.items()}
 
     rows = []
     for tool in args.tools:
@@ -505,12 +549,14 @@ def main() -> int:
         n_max = max(r["curve"][-1][0] for r in mine)
         rows.append([tool, len(mine), spread([r["best"] for r in mine]), spread([r["evals_to_best"] for r in mine]),
                      spread([best_at(r["curve"], n_max // 2) for r in mine]),
-                     spread([r["rescore_search"]["fitness"] for r in mine]),
-                     spread([r["rescore_final"]["fitness"] for r in mine]),
+                     spread([r["rescore"]["search"] for r in mine]), spread([r["rescore"]["final"] for r in mine]),
                      spread([r["wall_s"] for r in mine]), spread([r["bytes"] / 1e6 for r in mine]),
                      "yes" if all(r["loads"] for r in mine) else "NO"])
-    print(f"\nbest parent on the re-scoring items: {max(parents, key=parents.get)} {max(parents.values()):.2f} "
-          f"(" + ", ".join(f"{k} {v:.2f}" for k, v in parents.items()) + ")")
+    top = max(parents, key=lambda k: parents[k]["search"])
+    rows.append([f"best parent ({top})", "-", "-", "-", "-", f"{parents[top]['search']:.2f}",
+                 f"{parents[top]['final']:.2f}", "-", "-", "-"])
+    print("\nparents, re-scored (search items / other held-out items): " +
+          ", ".join(f"{k} {v['search']:.2f} / {v['final']:.2f}" for k, v in parents.items()))
     print(table(rows, ["tool", "seeds", "best fitness (own eval)", "evals to best", f"best at {n_max // 2} evals",
                        "finalist, search items (one eval)", "finalist, other held-out items", "wall s",
                        "MB written", "finalists load"]))

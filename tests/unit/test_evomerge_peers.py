@@ -38,6 +38,7 @@ Best cost: -1.2000
 
 def test_mergekit_curve_counts_generations_and_keeps_the_best(peers):
     assert peers.mergekit_curve(MK_OUT) == [(4, 0.85), (8, 0.85), (12, 1.2)]
+    assert peers.mergekit_curve(MK_OUT.replace("Best cost: -1.2000", "Best cost: -1.3000"))[-1] == (12, 1.3)
     assert peers.mergekit_curve("no evaluations here") == []
 
 
