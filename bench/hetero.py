@@ -17,8 +17,9 @@ rows run a few rounds past it and their eval loss at the budget is read between 
 is evaluated). Printed per row:
   * the fast workers' utilisation: their training seconds over the run's wall seconds after round 0 (timeline.jsonl);
   * eval loss at the budget against the homogeneous row's, and at the wall time the fixed-H row ended;
-  * windows: every committed (round, worker) slice disjoint from every other, and the windows skipped (a worker stopped
-    by its deadline) as a share of the windows trained.
+  * windows: every range a committed delta read disjoint from every other; the windows a worker did not read by its
+    round's end and read first in its next round (carried), and those nobody reads (skipped: still carried when the
+    run ends), as shares of the windows trained.
 The last line: `hetero: fast-worker utilisation F% (fixed H U%), loss vs homogeneous +D%` (F and D of the default
 weighting, outer.weighting). Writes bench/results/hetero.json and docs/img/hetero-utilisation.png.
 """
@@ -107,8 +108,10 @@ def windows_check(res: dict) -> dict:
     overlaps = sum(1 for a, b in zip(spans, spans[1:]) if b[0] < a[1])
     trained = sum(e - s for s, e, *_ in spans)
     skipped = int(res["metrics"][-1].get("skipped_windows", 0)) if res["metrics"] else 0
+    carried = sum(sum((rec.get("carried") or {}).values()) for rec in res["metrics"])
     return {"slices": len(spans), "overlaps": overlaps, "trained_windows": trained, "skipped_windows": skipped,
-            "skipped_pct": 100.0 * skipped / max(1, trained + skipped)}
+            "skipped_pct": 100.0 * skipped / max(1, trained + skipped), "carried_windows": carried,
+            "carried_pct": 100.0 * carried / max(1, trained + skipped)}
 
 
 def summarise(res: dict, budget_tokens: int, t_fixed: float | None) -> dict:
@@ -206,9 +209,10 @@ def main() -> int:
                       f"{statistics.mean(r['wall_s'] for r in rs):.1f}",
                       f"{statistics.mean(r['rounds'] for r in rs):.0f}",
                       sum(r["windows"]["overlaps"] for r in rs),
+                      f"{statistics.mean(r['windows']['carried_pct'] for r in rs):.2f}",
                       f"{statistics.mean(r['windows']['skipped_pct'] for r in rs):.2f}"])
     print(table(lines, ["row", "fast util %", "eval loss @budget", "vs homog %", "loss @fixed-H wall", "wall s",
-                        "rounds", "overlaps", "skipped %"]))
+                        "rounds", "overlaps", "carried %", "skipped %"]))
     picture({k: v[0] for k, v in results.items()}, REPO / "docs" / "img" / "hetero-utilisation.png")
     save_result("hetero", {"args": vars(args), "budget_tokens": budget, "rows": results})
     fx = statistics.mean(r["fast_util"] for r in results["fixed H"]) * 100

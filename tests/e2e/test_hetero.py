@@ -145,7 +145,8 @@ def test_rounds_by_time_with_given_speeds_resume_bit_identical(tmp_path, write_c
 def test_rounds_by_time_follow_a_speed_change_and_a_death_with_every_window_once(tmp_path, write_config):
     """3 workers by time; worker 1 at a third of its speed until round 4, then at full speed; worker 2 SIGKILLed mid-
     run (its supervisor restarts it). Worker 1's H follows its speed within two rounds; every committed slice is
-    disjoint from every other; the windows a worker did not read are the record's `skipped`, never read by anyone."""
+    disjoint from every other; the windows a worker did not read by its round's end are read first in its next round
+    (the record's `carried`), and only what is still carried when the run ends is `skipped`."""
     R = 9
     cfg = write_config(outer={"num_workers": 3, "rounds": R, "local_steps": 60, "round_time_s": 1.5,
                               "dead_after_s": 3.0})
@@ -168,13 +169,19 @@ def test_rounds_by_time_follow_a_speed_change_and_a_death_with_every_window_once
     fast = [h1[r] / h0[r] for r in (6, 7, 8)]
     assert max(slow) < 0.75 and min(fast) > 0.75, (h0, h1)
     assert _disjoint(_slices(paths))
-    skipped = 0
-    for r in recs:
-        for w, (off, read) in r["data"].items():
-            if "@" in w:  # a late delta of the round before, folded in (outer.late_weight)
-                continue
-            planned = r["planned_steps"][w] * 8
-            assert read <= planned
-            skipped += planned - read if w in (r.get("skipped") or {}) else 0
-            assert r.get("skipped", {}).get(w, 0) == planned - read
-    assert recs[-1]["skipped_windows"] == skipped
+    # what a worker did not read by the round's end goes on to its next round, read there first; nothing is skipped
+    # before the run's last round
+    reads = [{} for _ in recs]
+    for k, r in enumerate(recs):
+        for key, (off, n) in r["data"].items():
+            if "@" not in key:
+                own, kind = key[:4], ("in" if "+" in key else "own")
+                reads[k].setdefault(own, {"in": 0, "own": 0})[kind] += n
+        for w, got in reads[k].items():
+            assert got["in"] + got["own"] <= r["planned_steps"][w] * 8
+    for k in range(len(recs) - 1):
+        for w in ("w000", "w001"):  # never killed: every round's delta committed
+            passed_on = (recs[k].get("carried") or {}).get(w, 0)
+            assert reads[k + 1][w]["in"] == min(passed_on, recs[k + 1]["planned_steps"][w] * 8)
+    assert all(not r.get("skipped") for r in recs[:-1])
+    assert recs[-1]["skipped_windows"] == sum((recs[-1].get("skipped") or {}).values())

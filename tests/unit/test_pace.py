@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from train.config import ConfigError, build_config
-from train.diloco.pace import HYSTERESIS, Pace, calibration_steps, schedule_for
+from train.diloco.pace import HYSTERESIS, Pace, calibration_steps, data_record, schedule_for, split_carry
 from train.exchange.accumulate import delta_weight
 from train.exchange.layout import Layout, per_slot
 from train.launch.throttle import fraction_at, parse_slow
@@ -146,3 +146,43 @@ def test_slow_spec_parses_fractions_by_round_and_names_bad_parts():
                         ("1=0.5@-2", "round -2")]:
         with pytest.raises(ConfigError, match=match):
             parse_slow(spec, 4)
+
+
+def test_carried_windows_are_split_by_the_rounds_budget_oldest_first():
+    assert split_carry([], 40) == ([], [])
+    assert split_carry([[100, 16], [300, 8]], 40) == ([[100, 16], [300, 8]], [])
+    assert split_carry([[100, 16], [300, 8]], 20) == ([[100, 16], [300, 4]], [[304, 4]])
+    assert split_carry([[100, 16]], 8) == ([[100, 8]], [[108, 8]])
+
+
+def test_the_record_keeps_each_range_read_and_what_is_passed_on_or_skipped():
+    side = {"data": {"offset": 500, "windows": 80, "read": 56, "carried_in": [[100, 16]], "carry_out": [[556, 24]]}}
+    old = {"data": {"offset": 600, "windows": 80, "read": 72}}  # a worker without carry-over (older, or torchrun)
+    data, carried, skipped = data_record({0: side, 1: old}, {}, 5, last=False)
+    assert data == {"w000": [500, 56], "w000+0": [100, 16], "w001": [600, 72]}
+    assert carried == {"w000": 24} and skipped == {"w001": 8}
+    data, carried, skipped = data_record({0: side}, {2: old}, 5, last=True)
+    assert "w002@4" in data and carried == {} and skipped == {"w000": 24}
+
+
+def test_a_sampler_reads_carried_ranges_first_and_says_what_it_left():
+    import numpy as np
+    from train.core.data import StreamSampler
+
+    class Data:
+        n_train_windows, seq_length = 1000, 2
+
+        def window(self, start):
+            return np.array([start, start + 1, start + 2])
+
+    s = StreamSampler(Data(), seed=0)
+    s.begin(500, 8, before=[[100, 4], [300, 4]])
+    first = s.next_batch(6)  # crosses from the first carried range into the second
+    assert first.shape == (6, 3)
+    assert s.reads() == [(100, 4), (300, 2), (500, 0)]
+    s.next_batch(4)
+    assert s.reads() == [(100, 4), (300, 4), (500, 2)] and s.unread() == [(502, 6)]
+    s.next_batch(6)
+    assert s.unread() == []
+    with pytest.raises(Exception, match="slice exhausted"):
+        s.next_batch(1)

@@ -231,7 +231,9 @@ class StreamSampler:
     (train/exchange/layout.py), so a window is read once per epoch whatever the number of workers, and the data a
     worker reads in a round depends on the round alone (a restart or a replay reads the same windows).
 
-    `begin(offset, count)` points it at a slice; `next_batch` reads from it and refuses to read past its end."""
+    `begin(offset, count)` points it at a slice; `next_batch` reads from it and refuses to read past its end.
+    `begin(..., before=[(offset, count), ...])`: ranges read first, in order (windows a worker carries over from its
+    earlier rounds, train/diloco/pace.py); `reads()` and `unread()` say what was and was not read of them all."""
 
     def __init__(self, data: TokenData, seed: int):
         if data.n_train_windows < 1:
@@ -240,10 +242,28 @@ class StreamSampler:
         self.data, self.seed = data, seed
         self.position = 0  # the next stream offset
         self.end = 0
+        self._ranges: list[tuple[int, int]] = [(0, 0)]  # the slice: (first, end) offsets, read in order
+        self._k = 0  # the range being read
         self._epoch, self._perm = -1, None
 
-    def begin(self, offset: int, count: int) -> None:
-        self.position, self.end = offset, offset + count
+    def begin(self, offset: int, count: int, before=()) -> None:
+        self._ranges = [(int(o), int(o) + int(n)) for o, n in before if n > 0] + [(offset, offset + count)]
+        self._k = 0
+        self.position, self.end = self._ranges[0]
+
+    def reads(self) -> list[tuple[int, int]]:
+        """(first offset, windows read) of each range of the slice, in order (0 for a range not reached)."""
+        out = []
+        for k, (lo, hi) in enumerate(self._ranges):
+            n = hi - lo if k < self._k else (self.position - lo if k == self._k else 0)
+            out.append((lo, n))
+        return out
+
+    def unread(self) -> list[tuple[int, int]]:
+        """(first offset, windows) of what the slice's ranges hold past the last read, in order."""
+        ranges = self._ranges
+        out = [(self.position, self.end - self.position)] + [(lo, hi - lo) for lo, hi in ranges[self._k + 1:]]
+        return [(o, n) for o, n in out if n > 0]
 
     def window_index(self, g: int) -> int:
         epoch, i = divmod(g, self.data.n_train_windows)
@@ -253,12 +273,19 @@ class StreamSampler:
         return int(self._perm[i])
 
     def next_batch(self, batch_size: int) -> torch.Tensor:
-        if self.position + batch_size > self.end:
-            raise DataError(f"stream slice exhausted: {batch_size} windows asked at offset {self.position}, the "
-                            f"slice ends at {self.end} (a worker may not read another worker's data)")
-        rows = [self.data.window(self.window_index(g) * self.data.seq_length)
-                for g in range(self.position, self.position + batch_size)]
-        self.position += batch_size
+        rows, need = [], batch_size
+        while need:
+            if self.position >= self.end and self._k + 1 < len(self._ranges):
+                self._k += 1  # the next range of the slice
+                self.position, self.end = self._ranges[self._k]
+            take = min(need, self.end - self.position)
+            if take <= 0:
+                raise DataError(f"stream slice exhausted: {batch_size} windows asked at offset {self.position}, "
+                                f"the slice ends at {self.end} (a worker may not read another worker's data)")
+            rows += [self.data.window(self.window_index(g) * self.data.seq_length)
+                     for g in range(self.position, self.position + take)]
+            self.position += take
+            need -= take
         return torch.from_numpy(np.stack(rows))
 
 

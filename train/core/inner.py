@@ -260,12 +260,13 @@ class InnerTrainer:
 
     def train_steps(self, next_batch: Callable[[int], torch.Tensor], n_steps: int,
                     on_step: Callable[[int, float | None], None] | None = None,
-                    before_step: Callable[[int], None] | None = None, stop_at: float | None = None) -> dict:
+                    before_step: Callable[[int], None] | None = None,
+                    stop: Callable[[], bool] | None = None) -> dict:
         """Run `n_steps` optimizer steps; `on_step(i, loss)` is called after each, with the last training loss read
         back to the host (a float, refreshed every inner.log_every steps; None before the first read-back), so no
         step waits for the device. The returned statistics are exact: every step's loss stays on the device and is
-        read once, at the end. `before_step(i)` is called before step i (the overlapped fold). `stop_at`: a
-        time.perf_counter() deadline: no step starts after it (at least one runs); `steps` says how many ran."""
+        read once, at the end. `before_step(i)` is called before step i (the overlapped fold). `stop()`, asked before
+        every step but the first: True ends the loop there (rounds by time); `steps` says how many ran."""
         ic = self.cfg.inner
         accum = self.accum
         losses = torch.zeros(n_steps, device=self.device)
@@ -274,7 +275,7 @@ class InnerTrainer:
         done = n_steps
         lrs = [float("nan"), float("nan")]  # AdamW's learning rate at the first and the last step
         for i in range(n_steps):
-            if stop_at is not None and i > 0 and time.perf_counter() >= stop_at:
+            if stop is not None and i > 0 and stop():
                 done = i
                 break
             if before_step is not None:

@@ -33,7 +33,7 @@ from train.exchange.membership import Membership, workers_alive
 from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
 from train.exchange.reduce import arrived, prune_rounds
 from train.exchange.screen import STREAK, screen_round
-from train.diloco.pace import Pace, describe
+from train.diloco.pace import Pace, data_record, describe
 from train.diloco.policy import for_config
 from train.status.recorder import TimelineRecorder
 from train.core.store import (
@@ -538,18 +538,18 @@ class Coordinator:
         record["bytes_deltas"] = sum(int(metas[w].get("bytes", 0)) for w in ok)  # the deltas averaged in
         if oc.fragments > 1:
             record["fragment"] = self.master.frags.of_round(r)
-        record.update(codec=fields["codec"], checkpoint=fields["checkpoint"], missing_why=self.missing_why,
-                      data={f"w{w:03d}": [metas[w]["data"]["offset"], metas[w]["data"]["read"]] for w in sorted(ok)})
+        # the windows each delta read (those a worker carried over from its earlier rounds too), the windows
+        # passed on to a worker's next round, and those nobody will read (train/diloco/pace.py)
+        data, carried, skipped = data_record({w: metas[w] for w in ok}, acc.late, r, r + 1 >= oc.rounds)
+        record.update(codec=fields["codec"], checkpoint=fields["checkpoint"], missing_why=self.missing_why, data=data)
         late = {f"w{w:03d}": {"round": r - 1, "weight": oc.late_weight, "tokens": m["tokens"]}
                 for w, m in sorted(acc.late.items())}
         if late:  # trained into θ_{r+1} too: their tokens and data count
             record["late"] = late
             record["tokens"] += sum(v["tokens"] for v in late.values())
-            record["data"].update({f"w{w:03d}@{r - 1}": [m["data"]["offset"], m["data"]["read"]]
-                                   for w, m in acc.late.items()})
-        skipped = {f"w{w:03d}": int(m["data"]["windows"]) - int(m["data"]["read"]) for w, m in sorted(metas.items())
-                   if int(m["data"].get("windows", 0)) > int(m["data"]["read"])}
-        if skipped:  # stopped by their deadline (rounds by time): windows nobody trains in this epoch
+        if carried:
+            record["carried"] = carried
+        if skipped:
             record["skipped"] = skipped
         record["skipped_windows"] = int((self._last_metrics() or {}).get("skipped_windows", 0)) + sum(skipped.values())
         if oc.paced:

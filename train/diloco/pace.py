@@ -21,10 +21,12 @@ slot) before the commit that makes its round reachable, so every worker's slice 
 exactly as long as the steps it was given: no window is read twice, and none is skipped while the plan holds. A new
 segment is written only when some worker's H moves by more than HYSTERESIS (the layout stays small over long runs).
 
-A worker that falls behind its plan (it slowed down mid-round) stops at GRACE x round_time_s after its first step
-and publishes what it trained; the windows it did not read are recorded as skipped in the commit record (`skipped`)
-and in metrics.jsonl, never handed to anyone else. The commit stays one outer step per round, every delta from
-θ_r: nothing stale is averaged.
+A round ends for a worker once round_time_s has passed and every other worker of the round has published (or at
+GRACE x round_time_s): identical workers finish 10-20% apart on a busy box, and a synchronous round would wait for
+the last. What it did not read of its slice is carried over: read first in its next round, within that round's H
+(split_carry; the worker's resume state holds it, so a restart reads it too). The commit record lists what was
+carried and, in the last round, what is left (`skipped`): no window is read twice, none silently lost. The commit
+stays one outer step per round, every delta from θ_r: nothing stale is averaged.
 
 The inner learning-rate schedule follows the run, not each worker's step count (schedule_for): round r starts at
 the layout's schedule position (the mean windows per slot of every round before it), and a worker's step moves it by
@@ -123,6 +125,43 @@ class Pace:
         new = self.windows(len(current))
         moved = [abs(a - b) > max(self.batch, HYSTERESIS * b) for a, b in zip(new, current)]
         return new if any(moved) else None
+
+
+def split_carry(carry: list, budget: int) -> tuple[list, list]:
+    """The windows a worker carries over from earlier rounds ([[offset, n], ...], oldest first) split into what its
+    round reads first (at most `budget`: its slice's length) and what it keeps for later."""
+    used, kept, left = [], [], budget
+    for off, n in carry:
+        take = min(n, left)
+        if take > 0:
+            used.append([off, take])
+            left -= take
+        if n > take:
+            kept.append([off + take, n - take])
+    return used, kept
+
+
+def data_record(metas: dict[int, dict], late: dict[int, dict], r: int, last: bool) -> tuple[dict, dict, dict]:
+    """From the sidecars of round r's deltas (and the late ones of r - 1 folded in): the record's `data` ({key:
+    [first offset, windows read]}, one key per range read: wXXX its own slice, wXXX+i what it carried in, wXXX@q a
+    late delta of round q), `carried` ({wXXX: windows passed on to its next round}) and `skipped` ({wXXX: windows
+    nobody will read}: what is still carried when the run ends, or what a worker without carry-over left unread)."""
+    data, carried, skipped = {}, {}, {}
+    for tag, group in (("", metas), (f"@{r - 1}", late)):
+        for w, m in sorted(group.items()):
+            d, key = m["data"], f"w{w:03d}{tag}"
+            data[key] = [d["offset"], d["read"]]
+            for i, (off, n) in enumerate(d.get("carried_in") or []):
+                data[f"{key}+{i}"] = [off, n]
+            if tag:
+                continue
+            if "carry_out" in d:
+                n = sum(int(x[1]) for x in d["carry_out"])
+                if n:
+                    (skipped if last else carried)[key] = n
+            elif int(d.get("windows", 0)) > int(d["read"]):
+                skipped[key] = int(d["windows"]) - int(d["read"])
+    return data, carried, skipped
 
 
 def describe(windows: list[int], batch: int) -> str:

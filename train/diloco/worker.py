@@ -48,7 +48,8 @@ from train.core.inner import InnerTrainer
 from train.core.background import OneSlot
 from train.core.coordinator_lease import CoordinatorWatch
 from train.core.heartbeat import Heartbeat
-from train.diloco.pace import GRACE, schedule_for
+from train.diloco.pace import GRACE, schedule_for, split_carry
+from train.exchange.reduce import arrived
 from train.diloco.policy import for_config
 from train.diloco.resume import ResumeState
 from train.exchange.codec import Residual
@@ -148,12 +149,14 @@ class Worker(ResumeState):
             else None
         self.snap = OneSlot("state-snapshot")    # the state snapshot, written in the background
         self.trained = -1  # the last round this process trained (its publication may still be in flight)
+        self.carry: list = []  # windows of our slices not read yet: read first in our next round (set in restore)
         self._latest: int | None = None  # the last committed round seen (later lookups start from it)
         self._layout_cache: tuple | None = None  # ((inode, mtime, size) of layout.json, its Layout)
         self.io = {"read": 0, "written": 0}  # BASE_DIR bytes of the current round (into the next sidecar)
         self._io_lock = threading.Lock()
         self.fresh_moments = True  # no inner optimizer moments yet (restore_state loads them on a restart)
         self.restore_state()
+        self.carry = [list(x) for x in self.state.get("carry", [])]  # (replays recompute it, to the same)
         self.sampler = StreamSampler(self.data, cfg.seed)
         self.batches = RankBatches(self.sampler, self.dist, cfg.inner.total_batch_size) if self.dist.enabled \
             else self.sampler
@@ -353,15 +356,43 @@ class Worker(ResumeState):
             self.hb.beat(force=not self.overlap.trains_ahead, status=status, round=r, step=0, steps=H)
         if self.cfg.inner.reset_state:  # the paper's "reset" variant: fresh inner moments every round (replays too)
             self.trainer.reset_optimizer_state()
-        self.sampler.begin(data["offset"], data["windows"])
+        # windows carried over from our earlier rounds come first (read within this round's H: pace.py)
+        carry = self.state.get("carry_of", {}).get(str(r), []) if replay else self.carry
+        used, kept = split_carry(carry, data["windows"])
+        self.sampler.begin(data["offset"], data["windows"] - sum(n for _, n in used), before=used)
         tr = self.trainer
         tr.step, tr.step_size, tr.total_steps = data["schedule"]
-        stop_at = None
-        if replay:  # the steps its delta had (fewer than H where the deadline stopped it)
+        stop = None
+        if replay:  # the steps its delta had (fewer than H where the round's end stopped it)
             H = int(self.state.get("steps_of", {}).get(str(r), H))
         elif self.deadline_s:
-            stop_at = time.perf_counter() + self.deadline_s
-        return tr.train_steps(self.batches.next_batch, H, on_step, before_step=seg.before_step, stop_at=stop_at)
+            stop = self.round_end(r, data)
+        stats = tr.train_steps(self.batches.next_batch, H, on_step, before_step=seg.before_step, stop=stop)
+        reads = self.sampler.reads()
+        data.update(read=reads[-1][1], carried_in=[[o, n] for o, n in reads[:-1] if n], carry_used=carry,
+                    carry_out=[*kept, *([o, n] for o, n in self.sampler.unread())])
+        self.carry = data["carry_out"]
+        return stats
+
+    def round_end(self, r: int, data: dict):
+        """Rounds by time: stop() for train_steps. True once every other worker of the round has published and
+        round_time_s has passed (the round waits for nobody but us: what we did not read goes on to our next round),
+        or at GRACE x round_time_s (train/diloco/pace.py)."""
+        t0, oc = time.perf_counter(), self.cfg.outer
+        hard, soft = t0 + self.deadline_s, t0 + oc.round_time_s
+        others = data["slots"] - 1
+        seen = {"t": 0.0, "done": False}
+
+        def stop() -> bool:
+            now = time.perf_counter()
+            if now >= hard:
+                return True
+            if now < soft or now - seen["t"] < oc.poll_interval_s:
+                return seen["done"]
+            seen["t"] = now
+            seen["done"] = len([w for w in arrived(self.paths, r, data["slots"]) if w != self.w]) >= others
+            return seen["done"]
+        return stop
 
     def deliver(self, r: int, theta_r: dict, params: dict, opt_tensors: dict | None, meta: dict, data: dict,
                 replay: bool) -> None:
@@ -419,8 +450,15 @@ class Worker(ResumeState):
         sidecar["lease"] = self.hb.lease_id  # which process delivered it (membership: a restart's first delivery)
         sidecar["io"] = self.take_io()
         sidecar["position"] = position
-        sidecar["data"] = {**data, "read": position - data["offset"]}
-        self.state.update(round_done=r, position=position, sidecar=sidecar, **extra)
+        sidecar["data"] = {k: v for k, v in data.items() if k != "carry_used"}
+        if "read" not in data:
+            sidecar["data"]["read"] = position - data["offset"]
+        # the windows we did not read go on to our next round (a restart reads them there too)
+        self.state.update(round_done=r, position=position, sidecar=sidecar, carry=data.get("carry_out", []), **extra)
+        carries = {k: v for k, v in self.state.get("carry_of", {}).items() if int(k) > r - 8}
+        if data.get("carry_used"):  # what round r read first: a replay reads the same
+            carries[str(r)] = data["carry_used"]
+        self.state["carry_of"] = carries
         steps = {k: v for k, v in self.state.get("steps_of", {}).items() if int(k) > r - 8}
         if meta["inner_steps"] != meta.get("planned_steps", meta["inner_steps"]):  # stopped by its deadline:
             # a replay runs as many steps
@@ -445,7 +483,7 @@ class Worker(ResumeState):
                 raise ConfigError(f"worker {self.w}: round {r} gives it {windows} windows, not a whole number of "
                                   f"inner steps of inner.total_batch_size = {batch} windows: start it with the "
                                   f"coordinator's inner.total_batch_size")
-            out = {"segment": lay.index(r), "offset": offset, "windows": windows,
+            out = {"segment": lay.index(r), "offset": offset, "windows": windows, "slots": lay.slots(r),
                    "schedule": schedule_for(lay, r, self.w, self.cfg)}
         return broadcast_json(out, self.dist, self.device)
 

@@ -221,7 +221,10 @@ def _time_to_quorum(tl, r: int, prev: dict | None, quorum: int) -> float | None:
 def _steps_and_idle(tl, k: int, rec: dict, prev: dict | None, batch: int) -> tuple[dict, dict]:
     """Each worker's inner steps in the round committed as k (from the windows it read) and its idle seconds: the
     round's wall time (commit to commit) less its compute time in the round."""
-    steps = {w: int(v[1]) // max(1, batch) for w, v in sorted((rec.get("data") or {}).items()) if "@" not in w}
+    steps: dict[str, int] = {}
+    for key, v in sorted((rec.get("data") or {}).items()):  # wXXX, and wXXX+i: the windows it carried in
+        if "@" not in key:
+            steps[key[:4]] = steps.get(key[:4], 0) + int(v[1]) // max(1, batch)
     idle = {}
     if prev and "time" in prev and "time" in rec:
         wall = float(rec["time"]) - float(prev["time"])
