@@ -86,8 +86,8 @@ KINDS = ("kill_worker", "kill_supervisor", "kill_coordinator", "stop_worker", "e
 STORAGE_KINDS = ("freeze_storage", "restart_storage")  # --storage seaweedfs: the storage server itself fails
 BAD_KINDS = ("scale", "flip", "noise")
 # the loss screen's promise (docs/protocol.md): a bad delta (its gain <= 0) is rejected wherever the others' median
-# gain is over outer.screen_loss_margin / 0.25; checked with twice that (0.08 nats at the default margin of 0.01)
-LOSS_PROMISE = 0.08
+# gain is over outer.screen_loss_margin / 0.25; checked with twice that (0.24 nats at the default margin of 0.03)
+LOSS_PROMISE = 2 / 0.25
 PROJECT = "soak"
 MIN_GAP_S = 3.0  # two faults start at least this far apart, whatever --every-rounds says
 
@@ -659,13 +659,19 @@ class Soak:
             if w not in row.get("workers_used", []) and not late:
                 self.bad_outcomes.append(f"round {rr}, worker {w}, {bad}: not in the round ({key} missing)")
                 continue
+            said = "".join(p.read_text(errors="replace") for p in (self.out / "logs").glob(f"worker-{w}*.log"))
+            if f"soak: round {rr}: publishing a bad delta on purpose" not in said:  # the fault came too late
+                self.bad_outcomes.append(f"round {rr}, worker {w}, {bad}: not published (the worker had written "
+                                         f"its delta of round {rr} before the fault)")
+                continue
             screened = len(row.get("screen") or {}) >= 3 and not late
             catchable = screened and (float(seen.get("norm_ratio", 1.0)) > ratio or 1 / max(
                 float(seen.get("norm_ratio", 1.0)), 1e-12) > ratio or float(seen.get("cos", 1.0)) < min_cos)
             others = sorted(float(v["loss_gain"]) for k, v in (row.get("screen") or {}).items()
                             if k != key and "loss_gain" in v)
             ref = (others[(len(others) - 1) // 2] + others[len(others) // 2]) / 2 if others else None
-            catchable = catchable or (not late and "loss_gain" in seen and ref is not None and ref >= LOSS_PROMISE)
+            catchable = catchable or (not late and "loss_gain" in seen and ref is not None
+                                      and ref >= LOSS_PROMISE * float(oc.get("screen_loss_margin", 0.03)))
             what = (f"averaged in{' (late: not screened)' if late else ''}: the screen saw norm ratio "
                     f"{seen.get('norm_ratio', '-')}, cosine {seen.get('cos', '-')}, loss gain "
                     f"{seen.get('loss_gain', '-')} (the others' median {'-' if ref is None else round(ref, 4)})")

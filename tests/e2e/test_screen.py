@@ -210,7 +210,7 @@ def _trained(co, theta, w: int, r: int, steps: int = 10) -> dict:
 def test_the_loss_screen_rejects_noise_among_two_trained_deltas(tmp_path):
     """2 workers, deltas trained for real; worker 1's of round 1 is noise of its norm: rejected by the loss screen
     with its figures, θ_2 is the outer step of worker 0's delta alone; the healthy rounds reject nothing."""
-    co = _coordinator(tmp_path, workers=2, corpus=True, lr=1.0, momentum=0.0)
+    co = _coordinator(tmp_path, workers=2, corpus=True, lr=1.0, momentum=0.0, screen_loss_margin=0.01)
     for r in range(3):
         theta = {k: v.clone() for k, v in co.master.theta.tensors.items()}
         ds = {w: _trained(co, theta, w, r) for w in range(2)}

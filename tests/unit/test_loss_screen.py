@@ -10,7 +10,7 @@ import torch
 
 from train.exchange.loss_screen import RELATIVE, ScreenWindows, auto_decision, decide_loss, forward_flops
 
-M = 0.01  # outer.screen_loss_margin's default
+M = 0.03  # outer.screen_loss_margin's default
 
 
 def _decide(gains, base=6.0, steps=None, fresh=frozenset(), margin=M):
@@ -36,7 +36,7 @@ def test_a_delta_worse_than_theta_r_while_the_others_improve_is_rejected_with_it
     assert set(rejected) == {n - 1}, info
     why = rejected[n - 1]
     assert why.startswith("screen: loss of θ_r − Δ") and "6.3000" in why and "6.0000" in why and "-0.3000" in why
-    assert "outer.screen_loss_margin = 0.01" in why
+    assert "outer.screen_loss_margin = 0.03" in why
     assert ("no other delta" in why) == (n == 1)
 
 
@@ -50,11 +50,14 @@ def test_noise_that_gains_nothing_while_the_others_gain_is_rejected(n):
 
 
 def test_a_lone_delta_within_the_margin_of_theta_r_is_kept_one_beyond_it_is_not():
-    assert _decide([-0.009])[0] == {}
-    assert set(_decide([-0.011])[0]) == {0}
+    assert _decide([-0.029])[0] == {}
+    assert set(_decide([-0.031])[0]) == {0}
 
 
 def test_a_round_whose_deltas_all_lose_rejects_only_the_one_far_worse():
+    """Late in a run of averaging θ_r beats each worker's model: bench/soak.py saw a healthy delta at -0.0169 where
+    the others' median was -0.0029."""
+    assert _decide([-0.0169, -0.0029, -0.0025, -0.0035])[0] == {}
     rejected, info = _decide([-0.02, -0.025, -0.022, -0.3])
     assert set(rejected) == {3}, info
     assert _decide([-0.02, -0.025, -0.022, -0.03])[0] == {}
@@ -62,7 +65,7 @@ def test_a_round_whose_deltas_all_lose_rejects_only_the_one_far_worse():
 
 def test_fewer_inner_steps_lower_the_bar():
     """Rounds by time: a delta of 10 steps among deltas of 40 gains less, and is held to its share of the steps."""
-    gains, steps = [0.2, 0.21, 0.19, 0.2 * RELATIVE * 0.7], [40, 40, 40, 10]
+    gains, steps = [0.2, 0.21, 0.19, 0.2 * RELATIVE * 0.2], [40, 40, 40, 10]
     assert set(_decide(gains)[0]) == {3}            # as if it had trained as long as the others
     assert _decide(gains, steps=steps)[0] == {}     # its bar scaled by 10 / 40
 

@@ -178,11 +178,9 @@ class OuterConfig:
         "(docs/protocol.md). auto: on where one evaluation takes at most 0.25 s on the coordinator's device "
         "(the log says which, and why).")
     screen_loss_windows: int = doc(16, "Held-out windows (of data.seq_length tokens) the loss screen evaluates "
-                                       "each delta on (16: the loss differences of healthy deltas on them vary "
-                                       "within about 0.005: docs/protocol.md).")
-    screen_loss_margin: float = doc(0.01, "The loss screen's margin, in nats of mean token loss: healthy deltas of "
-                                          "the measured runs stayed at least 0.0086 above their bar with it "
-                                          "(docs/protocol.md).")
+                                       "each delta on (16: docs/protocol.md).")
+    screen_loss_margin: float = doc(0.03, "The loss screen's margin, in nats of mean token loss (0 healthy deltas "
+                                          "rejected in the measured runs and soaks: docs/protocol.md).")
     delta_dtype: Literal["float32", "bfloat16", "float16"] = doc(
         "float32", "dtype of published pseudo-gradients: float32, bfloat16 or float16.")
     keep_rounds: int = doc(2, "Committed rounds kept on disk (older global models and deltas are deleted).")

@@ -164,11 +164,13 @@ def decide_loss(keys: list, losses: list[float], base: float, margin: float, ste
     rejected when g_i < bar_i, with
 
         bar_i = RELATIVE x min(1, s_i / s_ref) x ref − margin    where the others improve (ref > 0)
-        bar_i = ref − RELATIVE x |ref| − margin                   where they do not (ref <= 0; with no other: −margin)
+        bar_i = ref − |ref| − 2 x margin                          where they do not (ref <= 0)
+        bar_i = −margin                                           with no other delta
 
     So: worse than θ_r by more than the margin while the others improve it, or not even a quarter of the others'
     gain (scaled down for fewer inner steps than theirs: a gain grows more slowly than the steps), or, in a round
-    whose deltas all lose (late in a run; a diverging round), far worse than the others. A fresh-moments delta (a
+    whose deltas all lose (late in a run of averaging, θ_r beats each worker's own model: a healthy one was seen
+    0.014 below the others' median there), far worse than the others. A fresh-moments delta (a
     joiner's first) is held to the first rule only: bar_i = min(ref, 0) − margin. A NaN loss is always rejected."""
     info: dict = {}
     rejected: dict = {}
@@ -183,8 +185,10 @@ def decide_loss(keys: list, losses: list[float], base: float, margin: float, ste
             so = [float(steps[j]) for j in range(len(keys)) if j != i] if steps else [1.0]
             sref = statistics.median(so) if so else 1.0
             bar = RELATIVE * min(1.0, si / sref if sref > 0 else 1.0) * ref - margin
+        elif others:
+            bar = ref - abs(ref) - 2 * margin
         else:
-            bar = ref - RELATIVE * abs(ref) - margin
+            bar = -margin
         g = gains[i]
         info[k] = {"loss": round(losses[i], 5), "loss_gain": round(g, 5), "loss_bar": round(bar, 5)}
         if not math.isfinite(g) or g < bar:
