@@ -164,6 +164,8 @@ class SeaweedFS:
     servers: dict[str, Proc] = field(default_factory=dict)
     mounts: dict[str, tuple[Path, Proc]] = field(default_factory=dict)
     closed: bool = False  # after close(): nothing starts again (a bench's timer thread may still try)
+    sockets: Path | None = None  # the mounts' control sockets: a short folder (a socket's path has 107 bytes)
+    started_mounts: int = 0      # mounts started so far (each its own socket)
 
     # -- addresses -----------------------------------------------------------------------------------------------
     def addr(self, server: str) -> str:
@@ -279,9 +281,12 @@ class SeaweedFS:
             raise RuntimeError(f"{mnt} is already a mount point")
         cache = self.root / "cache" / name
         cache.mkdir(parents=True, exist_ok=True)
+        if self.sockets is None:
+            self.sockets = Path(tempfile.mkdtemp(prefix="edt-weed-"))
         argv = [self.weed, "mount", f"-filer={self.addr('filer')}", f"-dir={mnt}", f"-cacheDir={cache}",
-                f"-localSocket={self.root / 'cache' / (name + '.sock')}", "-cacheCapacityMB=16",
+                f"-localSocket={self.sockets / f'{self.started_mounts}.sock'}", "-cacheCapacityMB=16",
                 "-allowOthers=false"]
+        self.started_mounts += 1
         proc = Proc(f"mount {name}", argv, self.root / "logs" / f"mount-{name}.log")
         proc.start(self.root)
         self.mounts[name] = (mnt, proc)
@@ -311,6 +316,8 @@ class SeaweedFS:
         for server in reversed(SERVERS):
             if server in self.servers:
                 self.servers[server].stop()
+        if self.sockets is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)
 
     def logs(self) -> str:
         """The last lines of every weed process's log (for an assertion message)."""
