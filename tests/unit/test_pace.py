@@ -186,3 +186,13 @@ def test_a_sampler_reads_carried_ranges_first_and_says_what_it_left():
     assert s.unread() == []
     with pytest.raises(Exception, match="slice exhausted"):
         s.next_batch(1)
+
+
+def test_a_segment_names_its_calibrating_slots_until_they_are_measured():
+    pace = Pace(cfg_with(num_workers=3, local_steps=40, round_time_s=2).outer, B)
+    seg = pace.mark({"slots": 3})
+    assert seg["calibrate"] == [0, 1, 2]
+    pace.observe({0: {"inner_steps": 10, "train_seconds": 1.0}, 1: {"inner_steps": 10, "train_seconds": 1.0}})
+    assert pace.mark({"slots": 3})["calibrate"] == [2]
+    pace.observe({2: {"inner_steps": 10, "train_seconds": 1.0}})
+    assert "calibrate" not in pace.mark({"slots": 3, "calibrate": [2]})

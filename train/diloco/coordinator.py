@@ -201,6 +201,7 @@ class Coordinator:
             lay = Layout.single(N, self.pace.windows(N) if oc.paced else self.round_windows(0))
             if oc.paced:
                 lay.segments[0]["why"] = f"start: {N} workers, rounds by time ({self.describe_plan(lay, 0)})"
+                self.pace.mark(lay.segments[0])
             if latest > 0:  # a run from before data layouts: its first segment starts here
                 lay.resize(latest, N, self.round_windows(latest),
                            f"resume at round {latest} (run started before data layouts)")
@@ -219,6 +220,8 @@ class Coordinator:
         why = (f"resume: outer.num_workers {lay.config_workers} -> {N}" if N != lay.config_workers else
                f"resume: {W} windows per worker and round (was {lay.segment(start)['windows']})")
         seg = lay.resize(start, N, W, why)
+        if oc.paced:
+            self.pace.mark(seg)
         lay.config_workers = N
         lay.save(paths)
         log.info("data layout: %s from round %d (stream offset %d; rounds before it keep their slices)", why, start,
@@ -256,7 +259,9 @@ class Coordinator:
         start = max(r + 1 + self.overlap.rounds_ahead, lay.last["from_round"])
         slots = lay.last["slots"] + len(joiners)
         windows = self.pace.windows(slots) if self.cfg.outer.paced else self.round_windows(start)
-        lay.resize(start, slots, windows, f"join: worker(s) {joiners} at round {start}")
+        seg = lay.resize(start, slots, windows, f"join: worker(s) {joiners} at round {start}")
+        if self.cfg.outer.paced:
+            self.pace.mark(seg)
         lay.save(self.paths)
         self.membership.join_from = slots
         log.info("workers %s join the run at round %d (%d workers from then on)", joiners, start, slots)
@@ -288,12 +293,15 @@ class Coordinator:
         q = max(q, lay.last["from_round"])
         cur = per_slot(lay.segment(q))
         new = self.pace.replan(cur)
-        if new is None:
+        measured = [w for w in lay.segment(q).get("calibrate", ()) if w in self.pace.rates]  # calibrated now
+        if new is None and not measured:
             return
-        lay.resize(q, len(cur), new, f"rounds by time: {describe(new, self.cfg.inner.total_batch_size)}")
+        new = new or self.pace.windows(len(cur))
+        batch = self.cfg.inner.total_batch_size
+        self.pace.mark(lay.resize(q, len(cur), new, f"rounds by time: {describe(new, batch)}"))
         lay.save(self.paths)
-        log.info("rounds by time: from round %d %s (outer.round_time_s = %g)", q,
-                 describe(new, self.cfg.inner.total_batch_size), self.cfg.outer.round_time_s)
+        log.info("rounds by time: from round %d %s (outer.round_time_s = %g)", q, describe(new, batch),
+                 self.cfg.outer.round_time_s)
 
     def describe_plan(self, lay: Layout, r: int) -> str:
         return describe(per_slot(lay.segment(r)), self.cfg.inner.total_batch_size)

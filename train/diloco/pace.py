@@ -119,6 +119,19 @@ class Pace:
         """The plan for a round of `slots` workers: each one's windows (its H x the batch)."""
         return [self.steps_for(w) * self.batch for w in range(slots)]
 
+    def calibrating(self, slots: int) -> list[int]:
+        """The slots whose speed is not known yet: their round measures them and has no early end."""
+        return [w for w in range(slots) if w not in self.rates]
+
+    def mark(self, seg: dict) -> dict:
+        """A new layout segment of this plan, its calibrating slots named."""
+        cal = self.calibrating(seg["slots"])
+        if cal:
+            seg["calibrate"] = cal
+        else:
+            seg.pop("calibrate", None)
+        return seg
+
     def replan(self, current: list[int]) -> list[int] | None:
         """The new plan for the same slots, or None while every worker's H stays within HYSTERESIS of `current`."""
         self.check()

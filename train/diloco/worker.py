@@ -365,7 +365,7 @@ class Worker(ResumeState):
         stop = None
         if replay:  # the steps its delta had (fewer than H where the round's end stopped it)
             H = int(self.state.get("steps_of", {}).get(str(r), H))
-        elif self.deadline_s:
+        elif self.deadline_s and not data.get("calibrate"):  # (a calibration round measures: it runs its H)
             stop = self.round_end(r, data)
         stats = tr.train_steps(self.batches.next_batch, H, on_step, before_step=seg.before_step, stop=stop)
         reads = self.sampler.reads()
@@ -484,6 +484,7 @@ class Worker(ResumeState):
                                   f"inner steps of inner.total_batch_size = {batch} windows: start it with the "
                                   f"coordinator's inner.total_batch_size")
             out = {"segment": lay.index(r), "offset": offset, "windows": windows, "slots": lay.slots(r),
+                   "calibrate": self.w in lay.segment(r).get("calibrate", ()),
                    "schedule": schedule_for(lay, r, self.w, self.cfg)}
         return broadcast_json(out, self.dist, self.device)
 

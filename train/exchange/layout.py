@@ -19,7 +19,8 @@ The file is the coordinator's alone, rewritten atomically before the commit that
 workers read it at the start of every round.
 
     data/layout.json = {"config_workers": N, "segments": [{"from_round", "slots", "windows", "offset", "why"}]}
-    (windows: one count for every slot, or a list of one per slot)
+    (windows: one count for every slot, or a list of one per slot; with rounds by time, "calibrate": the slots
+    whose H is a calibration, not yet from a measured speed)
 
 The layout also places each round on the inner learning-rate schedule (schedule_position): the schedule counts the
 run's windows per slot, not each worker's own steps, so a worker that returns or joins trains at the run's rate.
@@ -51,6 +52,7 @@ class Layout:
         try:
             segs = [{k: int(s[k]) for k in ("from_round", "slots", "offset")}
                     | {"windows": _windows(s["windows"], int(s["slots"])), "why": s.get("why", "")}
+                    | ({"calibrate": [int(w) for w in s["calibrate"]]} if s.get("calibrate") else {})
                     for s in raw["segments"]]
             lay = cls(segs, int(raw["config_workers"]))
         except (KeyError, TypeError, ValueError) as e:
