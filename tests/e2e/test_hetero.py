@@ -185,3 +185,22 @@ def test_rounds_by_time_follow_a_speed_change_and_a_death_with_every_window_once
             assert reads[k + 1][w]["in"] == min(passed_on, recs[k + 1]["planned_steps"][w] * 8)
     assert all(not r.get("skipped") for r in recs[:-1])
     assert recs[-1]["skipped_windows"] == sum((recs[-1].get("skipped") or {}).values())
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_killed_simulator_leaves_no_throttled_worker_stopped(tmp_path, write_config):
+    """--slow stops a worker for part of every 0.2 s: the simulator SIGKILLed meanwhile (it continues nobody) must
+    not leave the worker stopped with its death signal pending: its supervisor continues it as it dies."""
+    cfg = write_config(outer={"rounds": 50, "local_steps": 20})
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
+    sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg, "--slow", "1=0.2"), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, cwd=REPO)
+    try:
+        wait_until(lambda: (paths.latest_committed() or 0) >= 2, 240, "round 2 committed", sim)
+        sim.kill()
+        sim.wait(30)
+        wait_until_workers_gone(paths, 2)  # their locks free: no worker left, stopped or running
+    finally:
+        kill_all([sim])

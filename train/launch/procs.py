@@ -118,12 +118,23 @@ def supervise(argv: list[str], max_restarts: int, name: str = "worker") -> tuple
     child: list[subprocess.Popen] = []
     ppid = os.getppid()
 
+    def wake_child() -> None:
+        """SIGCONT: a child held stopped (diloco_sim.py --slow, train/launch/throttle.py) would keep a SIGTERM
+        pending, and live on stopped, past everyone who could continue it."""
+        if child and child[0].poll() is None:
+            try:
+                child[0].send_signal(signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def on_signal(signum, frame) -> None:
         if signum == signal.SIGTERM and parent_died(ppid):
+            wake_child()
             os._exit(143)  # the simulator died: so do we, at once (no unwinding that could hang: heartbeat.py's
             # install_leave_handler says why); the child gets its own death signal
         stopped_by.append(signum)
         stop.set()
+        wake_child()
         if child and child[0].poll() is None:
             try:
                 child[0].send_signal(signal.SIGTERM)  # it may have it already (a signal to the whole group)

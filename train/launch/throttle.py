@@ -4,10 +4,12 @@
     --slow 1=0.5,3=0.5@20    ... and worker 3 at half speed from round 20 on
     --slow 2=0.25,2=1@10     worker 2 at a quarter of its speed until round 10, then at full speed
 
-A worker at fraction f has its process group stopped (SIGSTOP) for (1 − f) of every PERIOD_S and running for f of it,
-from the outside, as a shared or hot machine would be: the worker does not know, and measures its own speed as any
-worker does (rounds by time, train/diloco/pace.py). The round is the latest committed one, read from BASE_DIR about
-once a second. Every stopped process is continued when the simulator ends.
+A worker at fraction f has its process stopped (SIGSTOP) for (1 − f) of every PERIOD_S and running for f of it, from
+the outside, as a shared or hot machine would be: the worker does not know, and measures its own speed as any worker
+does (rounds by time, train/diloco/pace.py). The round is the latest committed one and the worker's pid its lease's,
+both read from BASE_DIR about once a second. Only the worker is stopped, never its supervisor: a stopped process
+keeps a SIGTERM pending, so the supervisor continues its child before it stops it or dies with the simulator
+(train/launch/procs.py), and the simulator continues every throttled worker when it ends.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import threading
 import time
 
 from train.core.errors import ConfigError
+from train.core.store import read_json
 
 log = logging.getLogger("throttle")
 
@@ -63,7 +66,8 @@ class Throttle:
     """One thread holding the `slow` workers to their fractions; `stop()` continues them all."""
 
     def __init__(self, slow: dict[int, list[tuple[int, float]]], workers, paths):
-        self.slow, self.workers, self.paths = slow, workers, paths  # workers: LocalProcess list (their groups)
+        self.slow, self.workers, self.paths = slow, workers, paths  # workers: LocalProcess list
+        self._pids: dict[int, int] = {}  # each throttled worker's own pid (its lease's)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="throttle", daemon=True)
         self._round, self._t_round = 0, 0.0
@@ -81,14 +85,30 @@ class Throttle:
                 self._round = self.paths.latest_committed(self._round or None) or 0
             except OSError:
                 pass
+            for w in self.slow:
+                self._pids[w] = self._worker_pid(w)
         return self._round
 
+    def _worker_pid(self, w: int) -> int | None:
+        """The worker process itself: its lease's pid while that process is a child of w's process group (not a
+        stale lease of an earlier process); the group's leader when it runs without a supervisor."""
+        lead = self.workers[w].pid
+        if lead is None:
+            return None
+        if not self.workers[w].supervised:
+            return lead
+        try:
+            pid = int(read_json(self.paths.progress(w)).get("pid", 0))
+            return pid if pid and os.getpgid(pid) == lead else None
+        except (OSError, ValueError, TypeError):
+            return None
+
     def _signal(self, w: int, sig: int) -> None:
-        pid = self.workers[w].pid
+        pid = self._pids.get(w)
         if pid is None:
             return
         try:
-            os.killpg(pid, sig)
+            os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
