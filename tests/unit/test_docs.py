@@ -59,3 +59,53 @@ def test_files_the_docs_name_exist():
             if not (REPO / m).exists():
                 missing.append(f"{f.name}: {m}")
     assert not missing, missing
+
+
+_LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+_CODE = re.compile(r"`[^`\n]*`")
+
+
+def _anchors(page: str) -> set[str]:
+    """The anchors GitHub gives a page: each heading lowercased, markup and punctuation other than `-` and `_`
+    dropped, spaces made hyphens, repeats numbered -1, -2, ...; plus explicit `id=`/`name=` anchors."""
+    seen: dict[str, int] = {}
+    out = set(re.findall(r"<a\s+(?:name|id)=\"([^\"]+)\"", page))
+    for line in _FENCE.sub("", page).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1))     # a link's text only
+        text = re.sub(r"<[^>]+>", "", text).replace("`", "")
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def _doc_pages():
+    return [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md", REPO / "CONTRIBUTING.md"]
+
+
+def test_doc_links_resolve():
+    """Every relative link of a doc page names a file that exists, and an anchor that the target's headings give:
+    a heading renamed or a page moved breaks the links to it, and nothing else would say so."""
+    broken = []
+    for f in _doc_pages():
+        text = _CODE.sub("", _FENCE.sub("", f.read_text()))
+        for target in _LINK.findall(text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):        # http:, https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (f.parent / path).resolve() if path else f
+            if not dest.exists():
+                broken.append(f"{f.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+                broken.append(f"{f.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_anchor_slugs_follow_github():
+    page = "# Bytes per round\n## `outer.screen`: the delta screen\n## A, B & C (2x)\n## Bytes per round\n"
+    assert _anchors(page) == {"bytes-per-round", "outerscreen-the-delta-screen", "a-b--c-2x", "bytes-per-round-1"}
