@@ -37,19 +37,10 @@ from pathlib import Path
 
 from common import REPO, save_result, table
 
+from train.core.store import read_jsonl
+
 SLOW = "2=0.5,3=0.5"
 FAST = (0, 1)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
 
 
 def run(base: Path, name: str, args, rounds: int, sets: list[str], slow: str, seed: int) -> dict:
