@@ -198,6 +198,10 @@ class Worker(ResumeState):
             self.publish_pending(self.state["round_done"])
         while True:
             r = self._latest = self.paths.latest_committed(self._latest)
+            if r is None:  # round 0 was committed before we started: the run's folder went away under us
+                raise ProtocolError(f"{self.paths.root}: no committed round any more (the run folder was removed, "
+                                    f"or BASE_DIR's mount is gone on this host): check the mount, then start the "
+                                    f"worker again")
             if r >= rounds:
                 self.overlap.close()
                 self.join_snapshot()
@@ -509,7 +513,7 @@ class Worker(ResumeState):
                      "with weight %g (outer.late_weight)", r, latest, self.cfg.outer.late_weight)
         try:
             if not moved:
-                paths.deltas_dir(r).mkdir(parents=True, exist_ok=True)
+                sharedfs.makedirs(paths.deltas_dir(r))  # (the retry policy: a full disk is waited out)
                 sharedfs.replace(pending, paths.delta_file(r, self.w))
             publish_sidecar(paths, self.state["sidecar"])
         except FileNotFoundError:
