@@ -199,19 +199,30 @@ def mergekit_curve(stdout: str) -> list[tuple[int, float]]:
 
 
 def edt_curve(lineage: list[dict]) -> list[tuple[int, float]]:
-    """(evaluations so far, best fitness so far) after each generation: every member of every generation was
-    evaluated by a worker (generation 0's copies and carried elites included)."""
+    """(evaluations so far, best fitness so far) after each generation: every member a worker evaluated (generation
+    0's copies included); an elite that took its parent's scores (`carried_from`) cost no evaluation."""
     by_gen: dict[int, list[float]] = {}
+    spent: dict[int, int] = {}
     for r in lineage:
         if r.get("fitness") is not None:
             by_gen.setdefault(int(r["generation"]), []).append(float(r["fitness"]))
+            spent[int(r["generation"])] = spent.get(int(r["generation"]), 0) + (not r.get("carried_from"))
     points, evals, best = [], 0, None
     for g in sorted(by_gen):
-        evals += len(by_gen[g])
+        evals += spent[g]
         top = max(by_gen[g])
         best = top if best is None else max(best, top)
         points.append((evals, best))
     return points
+
+
+def edt_generations(args) -> int:
+    """EDT's generations within the budget: generation 0 evaluates the distinct fine-tunes (its copies and every
+    elite take scores already measured: train/evomerge/mutate.py), each later one population - elitism children."""
+    if args.generations:
+        return args.generations
+    elitism = json.loads((REPO / "configs" / "evomerge-demo.json").read_text())["edt"]["elitism"]
+    return 1 + max(0, args.evals - len(TASKS)) // (args.population - elitism)
 
 
 def first_reach(curve: list[tuple[int, float]]) -> tuple[float, int]:
@@ -363,7 +374,7 @@ def run_edt(tmp: Path, args, seed: int, models: Path, tasks_dir: Path, names: li
     project = f"edt-s{seed}"
     cfg.update(project_name=project, base_dir=str(tmp / "edt"), seed=seed)
     cfg["outer"]["num_workers"] = args.workers
-    cfg["edt"].update(fitness="lm_eval", population_size=args.population, max_generations=args.evals // args.population,
+    cfg["edt"].update(fitness="lm_eval", population_size=args.population, max_generations=edt_generations(args),
                       initial_population=[str(models / t) for t in TASKS])
     cfg["evomerge"]["base_model"] = str(models / "base")
     cfg["evomerge"]["lm_eval"] = {"tasks": [{"name": n, "metric": "exact_match"} for n in names],
@@ -482,6 +493,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 seeds x 12 evaluations, 30 items per task")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--evals", type=int, default=24, help="candidate evaluations per tool and seed")
+    ap.add_argument("--generations", type=int, help="EDT's generations (default: as many as the budget allows)")
     ap.add_argument("--population", type=int, default=6, help="EDT's population = mergekit's CMA-ES population")
     ap.add_argument("--items", type=int, default=50, help="held-out search items per task")
     ap.add_argument("--final-items", type=int, default=100, help="other held-out items per task (re-scoring)")
@@ -507,8 +519,8 @@ def main() -> int:
     if args.quick:
         args.seeds, args.evals, args.population, args.items, args.final_items = args.seeds[:2], 12, 4, 30, 60
     if args.evals % args.population:
-        raise SystemExit(f"--evals {args.evals} must be a multiple of --population {args.population} (EDT's "
-                         f"generations x population; CMA-ES generations of that size)")
+        raise SystemExit(f"--evals {args.evals} must be a multiple of --population {args.population} (CMA-ES "
+                         f"generations of that size)")
     if "mergekit-evolve" in args.tools:
         missing = evolve_missing(args.python)
         if missing:
@@ -532,6 +544,7 @@ def main() -> int:
             for tool in args.tools:
                 run = (run_mergekit if tool == "mergekit-evolve" else run_edt)(tmp, args, seed, args.models,
                                                                               tasks_dir, names["search"])
+                run["curve"] = [(n, v) for n, v in run["curve"] if n <= args.evals]  # within the budget
                 best, n = first_reach(run["curve"]) if run["curve"] else (None, None)
                 print(f"  seed {seed} {tool}: best {best} in {n} of {run['curve'][-1][0] if run['curve'] else 0} "
                       f"evals, {run['wall_s']:.0f} s, {run['bytes'] / 1e6:.1f} MB written", flush=True)

@@ -47,6 +47,8 @@ def test_edt_curve_counts_every_evaluated_member(peers):
                {"generation": 1, "fitness": 0.7}, {"generation": 1, "fitness": 0.8},
                {"generation": 2, "fitness": 1.3}, {"generation": 2, "fitness": None}]
     assert peers.edt_curve(lineage) == [(2, 0.9), (4, 0.9), (5, 1.3)]
+    lineage[2]["carried_from"] = "g000000/m000"  # an elite scored by its parent's evaluation: no evaluation spent
+    assert peers.edt_curve(lineage) == [(2, 0.9), (3, 0.9), (4, 1.3)]
 
 
 def test_first_reach_best_at_and_spread(peers):

@@ -306,6 +306,8 @@ class EDTCoordinator:
                       "tokens": mb.result.get("tokens"), "path": paths.rel(mb.dir)}
             if "scores" in mb.result:  # EvoMerge: per-task scores, kept in the lineage for the report
                 genome["scores"] = mb.result["scores"]
+            if mb.result.get("carried_from"):  # EvoMerge: an elite scored by its parent's evaluation
+                genome["carried_from"] = mb.result["carried_from"]
             if mb.result.get("refilled"):  # a copy of another member (the slot's job kept failing)
                 genome.update(refilled=True, refill_reason=mb.result.get("refill_reason"),
                               copy_of=mb.result.get("copy_of"))

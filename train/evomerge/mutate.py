@@ -9,6 +9,13 @@ One job (a merged child, or a fine-tune of generation 0):
      all tasks' items (what `edt.fitness = inverse_loss` ranks by). With evomerge.lm_eval, the member is also
      scored by lm-evaluation-harness tasks in process (train/evomerge/lm_eval_fitness.py: `lm_eval_fitness`).
 Items come from the eval split (disjoint from training by construction, train/evomerge/tasks.py) with the run's seed.
+
+No evaluation is spent twice on the same weights: an elite is carried unchanged (no merge, no SFT), so its weights
+are its parent's bit for bit, and generation 0's slots beyond the fine-tunes are copies of them. Scoring is
+deterministic on fixed items, so when the job's manifest and an earlier result.json agree on the weights' checksum
+the worker takes those scores (`carried_from` in result.json and the lineage). bench/evomerge_peers.py measured the
+waste before: at population 6 with 3 fine-tunes, 6 of 24 evaluations went to models already scored (3 copies in
+generation 0, one elite per later generation).
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import time
 import torch
 
 from train.config import RunConfig
+from train.core.store import MANIFEST
 from train.evomerge.sft import SFTMixture, ensure_chat_template, train_sft
 from train.evomerge.task_eval import TaskSpec, eval_sft_loss, evaluate_tasks, fixed_items
 from train.evomerge.tasks import load_items
@@ -61,9 +69,43 @@ class EvoMergeMutation:
             from train.evomerge.lm_eval_fitness import LMEvalFitness
             self.lm_eval = LMEvalFitness.from_config(cfg)
 
+    def carried(self, job: dict, g: int, m: int) -> dict | None:
+        """An evaluation of these very weights, when one exists, else None: an elite's parent's, or (generation 0,
+        whose extra slots are copies of the fine-tunes) a member of generation 0 already scored; checksums agree."""
+        from train.core.model import WEIGHTS
+        from train.core.store import read_json
+        from train.edt.store import EDTPaths
+
+        genome = job.get("genome") or {}
+        if int(job["steps"]) or not (genome.get("elite") and genome.get("parents") or g == 0):
+            return None
+        paths = EDTPaths(self.cfg.run_dir)
+        try:
+            mine = read_json(paths.job_dir(g, m) / MANIFEST)["files"][WEIGHTS]["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if g == 0:  # the members of generation 0 published so far (a copy's twin may still be running: evaluate)
+            found = [(f"g000000/m{k:03d}", paths.result(0, k)) for k in range(m)]
+        else:
+            parent = genome["parents"][0]
+            found = [(parent["id"], paths.root / parent["path"] / "result.json")]
+        for pid, path in found:
+            try:
+                prev = read_json(path)
+            except (OSError, ValueError):
+                continue  # not published, or gone: evaluate
+            if prev.get("weights_sha256") == mine and prev.get("scores") is not None:
+                keep = ("eval_loss", "scores", "task_fitness", "lm_eval_fitness")
+                return {**{k: prev[k] for k in keep if k in prev}, "carried_from": pid}
+        return None
+
     def __call__(self, model, job: dict, g: int, m: int, on_step, tmp) -> dict:
         cfg, em = self.cfg, self.cfg.evomerge
         steps, hyper = int(job["steps"]), job["hyper"]
+        same = self.carried(job, g, m)
+        if same is not None:  # an elite: the parent's scores, no evaluation spent
+            return {"train_loss": None, "tokens": 0, "position": {"sft": int(job["position"].get("sft", 0))},
+                    **same, "train_seconds": 0.0, "eval_seconds": 0.0, "bytes_read": 0, "bytes_written": 0}
         position = int(job["position"].get("sft", 0))
         stats = {"train_loss": None, "tokens": 0, "seconds": 0.0, "position": position}
         if steps:
