@@ -44,7 +44,9 @@ Invariants, checked live (every committed round as it appears, from the backing 
     - every rejected or missing delta has a reason in metrics; the screen does what it says with every bad delta
       (x100 is always rejected in a round of >= 3 on-time deltas; a flipped or noise delta when its cosine with the
       others' mean is under outer.screen_min_cosine, or, with the loss screen (outer.screen_loss), in any round
-      whose other deltas gained at least LOSS_PROMISE on the held-out windows; what became of each is listed);
+      whose other deltas gained at least LOSS_PROMISE on the held-out windows; a noise delta wherever the screen's
+      noise floor applied (the others' or the recent pairs' cosine over CLEAR x the floor); what became of each is
+      listed);
     - a frozen worker (SIGSTOP) or one whose mount hung catches up by itself, without a restart;
     - no traceback in any log;
     - RSS of the coordinator and of each worker grows at most 10% from round 100 (--quick: a quarter of the rounds)
@@ -80,6 +82,7 @@ from common import REPO
 
 from tests.helpers.fusefs import fuse_skip_reason, nfs_mount  # one FUSE mount per process (common put REPO on path)
 from tests.helpers.seaweed import seaweed_skip_reason, seaweedfs
+from train.exchange.screen import CLEAR
 
 KINDS = ("kill_worker", "kill_supervisor", "kill_coordinator", "stop_worker", "eio_burst", "hang_mount",
          "disk_full", "bad_delta", "join", "leave", "move_coordinator")
@@ -301,6 +304,7 @@ class Soak:
         self.fill_path: Path | None = None
         self.tmpfs = False
         self.bad_outcomes: list[str] = []
+        self.healthy_rejected: list[str] = []
         self.sw = None  # --storage seaweedfs: the running SeaweedFS (tests/helpers/seaweed.py)
 
     def now(self) -> float:
@@ -440,7 +444,7 @@ class Soak:
         elif kind == "bad_delta":
             w = int(role.name.split("-")[1])
             rr = r + 2  # a round it has not started yet
-            bad = self.rng.choice(BAD_KINDS)
+            bad = self.rng.choice(self.a.bad_kinds)
             (self.out / "bad" / f"w{w:03d}-r{rr:06d}.json").write_text(json.dumps({"kind": bad}))
             self.bad.append((w, rr, bad))
             f.detail = f"its delta of round {rr}: {bad}"
@@ -672,14 +676,29 @@ class Soak:
             ref = (others[(len(others) - 1) // 2] + others[len(others) // 2]) / 2 if others else None
             catchable = catchable or (not late and "loss_gain" in seen and ref is not None
                                       and ref >= LOSS_PROMISE * float(oc.get("screen_loss_margin", 0.03)))
+            # the noise floor (train/exchange/screen.py): noise is rejected wherever the others' cosine (a round
+            # of >= 3) or the recent rounds' pair cosine (a round of 2) was over CLEAR x the floor; a round of 2 may
+            # say that neither delta was clearly the bad one (`pair`), which is reported, not a violation
+            floor = float(seen.get("cos_floor", "inf"))
+            catchable = catchable or (bad == "noise" and not late and "pair" not in seen
+                                      and float(seen.get("cos_ref", 0.0)) >= CLEAR * floor)
             what = (f"averaged in{' (late: not screened)' if late else ''}: the screen saw norm ratio "
                     f"{seen.get('norm_ratio', '-')}, cosine {seen.get('cos', '-')}, loss gain "
-                    f"{seen.get('loss_gain', '-')} (the others' median {'-' if ref is None else round(ref, 4)})")
+                    f"{seen.get('loss_gain', '-')} (the others' median {'-' if ref is None else round(ref, 4)}), "
+                    f"cosine floor {seen.get('cos_floor', '-')} against {seen.get('cos_ref', '-')}"
+                    f"{'; ' + seen['pair'] if 'pair' in seen else ''}")
             self.bad_outcomes.append(f"round {rr}, worker {w}, {bad}: {what}")
             if catchable or (bad == "scale" and screened):
                 violations.append(f"round {rr}: worker {w}'s bad delta ({bad}) was averaged in although the screen "
                                   f"saw norm ratio {seen.get('norm_ratio')}, cosine {seen.get('cos')} and loss gain "
                                   f"{seen.get('loss_gain')} (the others' median {ref})")
+        # healthy deltas: the screen rejects none (docs/protocol.md: 0 in the fault-free soaks)
+        bad_at = {(w, rr) for w, rr, _ in self.bad}
+        self.healthy_rejected = [f"round {row['round'] - 1}, {k}: {why}" for row in rows
+                                 for k, why in (row.get("rejected") or {}).items()
+                                 if str(why).startswith("screen:") and (int(k.lstrip("w")), row["round"] - 1)
+                                 not in bad_at]
+        violations += [f"a healthy delta was screened out: {h}" for h in self.healthy_rejected]
         # tracebacks
         logs = sorted((self.out / "logs").glob("*.log")) + sorted((self.run / "logs").glob("*.log"))
         tb = [p.name for p in logs if "Traceback (most recent call last)" in p.read_text(errors="replace")]
@@ -704,6 +723,8 @@ class Soak:
             self.observe(f, rows)
             if (why := self.caught_up(f)):
                 violations.append(why)
+        if (self.run / "metrics.jsonl").exists():  # the screen's figures of every round, kept with the report
+            shutil.copy(self.run / "metrics.jsonl", self.out / "metrics.jsonl")
         timeline = self.run / "timeline.png"
         if timeline.exists():
             shutil.copy(timeline, self.out / "timeline.png")
@@ -859,7 +880,7 @@ class Soak:
                  "commit record's: ") + f"{len(self.checker.checked)} rounds checked, "
                 f"{len(self.checker.unchecked)} pruned before the checker saw them",
                 f"- deltas rejected: {rej}, missing: {miss} (each with its reason in metrics.jsonl); bad deltas "
-                f"injected: {len(self.bad)}",
+                f"injected: {len(self.bad)}, healthy deltas screened out: {len(self.healthy_rejected)}",
                 f"- final model: {final_ok}", "",
                 "Bad deltas, each with what became of it:", "", *[f"- {b}" for b in self.bad_outcomes], "",
                 "| process | RSS from the reference round to the end | open fds | span | verdict |",
@@ -896,6 +917,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--faults", nargs="+", choices=KINDS + STORAGE_KINDS, default=None, metavar="KIND",
                     help=f"fault kinds (default: all of {', '.join(KINDS)}; with --storage seaweedfs also "
                          f"{', '.join(STORAGE_KINDS)})")
+    ap.add_argument("--bad-kinds", nargs="+", choices=BAD_KINDS, default=list(BAD_KINDS), metavar="KIND",
+                    help=f"what a bad_delta fault publishes, drawn from these (default: all of {', '.join(BAD_KINDS)})")
     ap.add_argument("--freeze-s", type=float, default=20.0, help="how long freeze_storage lasts (default 20)")
     ap.add_argument("--down-s", type=float, default=10.0, help="how long restart_storage keeps a server down "
                                                                 "(default 10)")

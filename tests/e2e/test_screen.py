@@ -100,15 +100,19 @@ def test_a_bad_delta_is_screened_out_and_every_copy_of_theta_agrees(tmp_path, co
         assert moved < 3 * healthy * co.cfg.outer.lr
 
 
-def test_healthy_rounds_and_same_norm_noise_are_not_screened_out_by_norm_and_cosine(tmp_path):
-    """Healthy deltas pass; so does noise of the same norm (cosine about 0: what the norm and cosine rules cannot
-    see; the loss screen, off here, can: test_the_loss_screen_rejects_noise_among_two_trained_deltas)."""
+def test_healthy_rounds_pass_and_same_norm_noise_is_at_the_noise_floor(tmp_path):
+    """Healthy deltas pass; noise of the same norm (cosine about 0 while the others' are about 0.8) is rejected by the
+    noise floor with its figures, without the loss screen (off here)."""
     co = _coordinator(tmp_path, screen_loss="off")
     for r, bad in [(0, None), (1, "noise")]:
         for w, d in _deltas(co.master.theta.tensors, r, bad).items():
             _publish(co, r, w, d)
         rec = co.run_round(r)
-        assert rec["rejected"] == {} and rec["workers_used"] == list(range(W)), rec
+        if bad is None:
+            assert rec["rejected"] == {} and rec["workers_used"] == list(range(W)), rec
+        else:
+            assert list(rec["rejected"]) == ["w002"] and "noise floor" in rec["rejected"]["w002"], rec
+            assert rec["workers_used"] == [0, 1, 3], rec
 
 
 def test_screen_off_averages_everything(tmp_path):

@@ -10,8 +10,10 @@ import torch
 from train.exchange.screen import MIN_DELTAS, DeltaStats, decide, stride_for
 
 
-def _round(deltas: list[torch.Tensor], weights=None, ratio=5.0, min_cos=-0.5, shapes=None, fresh=frozenset()):
-    """decide() on deltas given as flat tensors, through DeltaStats (as the accumulators feed it)."""
+def _round(deltas: list[torch.Tensor], weights=None, ratio=5.0, min_cos=-0.5, shapes=None, fresh=frozenset(),
+           steps=None):
+    """decide() on deltas given as flat tensors, through DeltaStats (as the accumulators feed it), with the noise
+    floor of their sample size."""
     shapes = shapes or {"a": (deltas[0].numel(),)}
     st = DeltaStats(shapes)
     for i, d in enumerate(deltas):
@@ -22,7 +24,7 @@ def _round(deltas: list[torch.Tensor], weights=None, ratio=5.0, min_cos=-0.5, sh
             pos += k
     keys = list(range(len(deltas)))
     return decide(keys, [math.sqrt(st.norm2[k]) for k in keys], st.gram(keys), weights or [1.0] * len(keys),
-                  ratio, min_cos, fresh)
+                  ratio, min_cos, fresh, st.sample(0).numel(), steps)
 
 
 def _healthy(n: int, size: int = 2000, corr: float = 0.5, seed: int = 0) -> list[torch.Tensor]:
@@ -76,24 +78,25 @@ def test_a_delta_from_fresh_moments_gets_a_wider_norm_band_but_x100_is_still_rej
     assert set(rejected) == {2} and f"x {FRESH_SLACK:g}, fresh moments" in rejected[2]
 
 
-def test_two_deltas_are_never_screened():
-    """With 2 deltas there is no majority: neither can be told from the other."""
+def test_two_deltas_are_not_screened_by_norm_and_cosine():
+    """With 2 deltas there is no majority for the norm and cosine rules (a pair: decide_pair, tests below)."""
     d = _healthy(2, corr=0.8)
     assert _round([d[0], 100 * d[1]])[0] == {}
     assert _round([d[0], -d[1]])[0] == {}
 
 
-def test_a_subtle_bias_and_same_norm_noise_pass_by_default():
-    """What the screen cannot see (docs/protocol.md): a delta of the same norm pointing elsewhere (noise: cosine
-    about 0), or a small bias added to a healthy delta."""
+def test_a_subtle_bias_passes_but_same_norm_noise_is_at_the_noise_floor():
+    """What the screen cannot see (docs/protocol.md): a small bias added to a healthy delta. Noise of the same norm
+    (cosine about 0) is caught by the noise floor, with its figures."""
     deltas = _healthy(4, corr=0.7, seed=3)
     g = torch.Generator().manual_seed(9)
     noise = torch.randn(2000, generator=g, dtype=torch.float64)
     deltas[1] = noise * deltas[1].norm() / noise.norm()
     deltas[2] = deltas[2] + 0.3 * deltas[2].norm() / math.sqrt(2000)  # every value shifted a little
-    assert _round(deltas)[0] == {}
-    rejected, _ = _round(deltas, min_cos=0.2)  # a stricter bound catches the noise (where healthy rounds allow it)
-    assert set(rejected) == {1}
+    rejected, info = _round(deltas)
+    assert set(rejected) == {1}, info
+    assert "noise floor" in rejected[1] and "3/sqrt(2000) = 0.0671" in rejected[1] and "others' median" in rejected[1]
+    assert info[1]["cos_floor"] == 0.0671 and info[1]["cos_ref"] > 4 * 0.0671
 
 
 def test_the_norm_check_comes_first_so_a_huge_delta_does_not_hide_a_flipped_one():
@@ -192,3 +195,167 @@ def test_the_cosines_equal_the_sums_over_every_pair(seed):
         dot = sum(weights[j] * gram[i][j] for j in o)
         o2 = sum(weights[j] * weights[k] * gram[j][k] for j in o for k in o)
         assert info[i]["cos"] == pytest.approx(round(dot / math.sqrt(gram[i][i] * o2), 4), abs=1e-4)
+
+
+# -- the noise floor ---------------------------------------------------------------------------------------------------
+def _noise_like(d: torch.Tensor, seed: int) -> torch.Tensor:
+    n = torch.randn(d.numel(), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return n * d.norm() / n.norm()
+
+
+def _topk(d: torch.Tensor, frac: float = 0.1) -> torch.Tensor:
+    """A top-k delta as the sum sees it: the largest |values|, zeros elsewhere."""
+    k = int(frac * d.numel())
+    out = torch.zeros_like(d)
+    idx = d.abs().topk(k).indices
+    out[idx] = d[idx]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_noise_among_healthy_deltas_is_rejected_and_nothing_else(seed):
+    rnd = random.Random(seed)
+    n = rnd.randint(MIN_DELTAS, 8)
+    deltas = _healthy(n, size=20000, corr=rnd.uniform(0.2, 0.9), seed=seed)
+    assert _round(deltas)[0] == {}
+    i = rnd.randrange(n)
+    deltas[i] = _noise_like(deltas[i], 100 + seed)
+    rejected, info = _round(deltas)
+    assert set(rejected) == {i}, info
+    assert "noise floor" in rejected[i]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_topk_like_deltas_with_low_cosines_keep_their_healthy_ones_and_lose_noise(seed):
+    """topk's healthy cosines are 0.18-0.53 (sparse selections overlap less): still far over the floor."""
+    rnd = random.Random(seed)
+    n = rnd.randint(MIN_DELTAS, 6)
+    deltas = [_topk(d) for d in _healthy(n, size=80000, corr=rnd.uniform(0.3, 0.6), seed=seed)]
+    rejected, info = _round(deltas)
+    assert rejected == {}, info
+    assert 0.15 < min(v["cos"] for v in info.values()) and max(v["cos"] for v in info.values()) < 0.55
+    i = rnd.randrange(n)
+    deltas[i] = _topk(_noise_like(deltas[i], 7 + seed))
+    rejected, info = _round(deltas)
+    assert set(rejected) == {i}, info
+
+
+def test_a_fresh_moments_delta_is_not_judged_by_the_noise_floor():
+    deltas = _healthy(4, size=20000, corr=0.6, seed=2)
+    deltas[3] = _noise_like(deltas[3], 5)  # as unlike the others as a delta gets
+    assert set(_round(deltas)[0]) == {3}
+    rejected, info = _round(deltas, fresh={3})
+    assert rejected == {} and info[3]["fresh_moments"] is True
+
+
+def test_a_delta_of_fewer_inner_steps_aligns_less_and_is_not_taken_for_noise():
+    """Rounds by time: a delta of 1 inner step (common part x 1, data noise x 1) among deltas of 400 (x 400, x 20):
+    its cosine with the others is about sqrt(1/400) of theirs, under the floor; the floor scales the others' level
+    by it."""
+    g = torch.Generator().manual_seed(4)
+    size = 80000
+    common = torch.randn(size, generator=g, dtype=torch.float64)
+
+    def delta(s):
+        return s * 0.015 * common + math.sqrt(s) * torch.randn(size, generator=g, dtype=torch.float64)
+    deltas = [delta(400) for _ in range(4)] + [delta(1) * 20]  # (its norm brought into the band)
+    rejected, info = _round(deltas)
+    assert set(rejected) == {4} and info[4]["cos"] < info[4]["cos_floor"], info  # judged on equal steps: noise
+    rejected, info = _round(deltas, steps=[400, 400, 400, 400, 1])
+    assert rejected == {}, info
+
+
+# -- rounds of 2: the pair's cosine against its history ---------------------------------------------------------------
+class _Acc:
+    """The accumulator's face that screen_round reads: stats, workers, weights, metas, loss, drop."""
+
+    def __init__(self, deltas, steps=None, fresh=(), losses=None, base=0.0):
+        from train.exchange.screen import DeltaStats
+
+        self.stats = DeltaStats({"a": (deltas[0].numel(),)}, len(deltas))
+        self.workers = list(range(len(deltas)))
+        self.weights = {w: 1.0 for w in self.workers}
+        self.metas = {w: {"inner_steps": (steps or [5] * len(deltas))[w], "fresh_moments": w in fresh}
+                      for w in self.workers}
+        for w, d in enumerate(deltas):
+            self.stats.observe(w, "a", d)
+        if losses is not None:
+            self.loss = type("L", (), {"losses": dict(enumerate(losses)), "base_loss": base})()
+
+    def drop(self, ws):
+        self.workers = [w for w in self.workers if w not in ws]
+
+
+def _pair_run(rounds: int, corr: float = 0.2, size: int = 20000, seed: int = 0):
+    """A 2-worker run's deltas: a slowly turning common direction (consecutive rounds' updates agree)."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(size, generator=g, dtype=torch.float64)
+    out = []
+    for _ in range(rounds):
+        common = 0.95 * common + math.sqrt(1 - 0.95 ** 2) * torch.randn(size, generator=g, dtype=torch.float64)
+        out.append([math.sqrt(corr) * common + math.sqrt(1 - corr) * torch.randn(size, generator=g,
+                                                                                  dtype=torch.float64)
+                    for _ in range(2)])
+    return out
+
+
+def test_a_pair_with_noise_is_told_apart_by_its_history_and_the_previous_update():
+    from train.exchange.screen import ScreenHistory, screen_round
+
+    h = ScreenHistory()
+    run = _pair_run(8)
+    for r, pair in enumerate(run[:7]):
+        rejected, info = screen_round(_Acc(pair), 5.0, -0.5, 0.03, h, r)
+        assert rejected == {}, (r, info)
+    pair = run[7]
+    pair[1] = _noise_like(pair[1], 3)
+    rejected, info = screen_round(_Acc(pair), 5.0, -0.5, 0.03, h, 7)
+    assert set(rejected) == {1}, info
+    assert "the pair's cosine" in rejected[1] and "previous round's update" in rejected[1]
+    assert info["w001"]["cos_prev"] < info["w000"]["cos_prev"]
+
+
+def test_a_restarted_coordinator_has_no_pair_history_and_keeps_both():
+    from train.exchange.screen import ScreenHistory, screen_round
+
+    pair = _pair_run(1)[0]
+    pair[0] = _noise_like(pair[0], 4)
+    rejected, info = screen_round(_Acc(pair), 5.0, -0.5, 0.03, ScreenHistory(), 30)
+    assert rejected == {} and "cos_ref" not in info["w000"]
+
+
+def test_without_the_previous_update_the_loss_gain_decides_or_neither_is_rejected():
+    from train.exchange.screen import CLEAR, decide_pair, noise_floor
+
+    d = _pair_run(1)[0]
+    d[1] = _noise_like(d[1], 5)
+    G = torch.stack(d) @ torch.stack(d).T
+    level = 0.2
+    assert level > CLEAR * noise_floor(20000)
+    rejected, _ = decide_pair([0, 1], G, 20000, level, [None, None], [0.010, -0.025], 0.03)
+    assert set(rejected) == {1} and "loss gain -0.0250" in rejected[1]
+    rejected, info = decide_pair([0, 1], G, 20000, level, [None, None], [0.010, -0.005], 0.03)
+    assert rejected == {} and "neither delta is clearly the bad one" in info[0]["pair"]
+    # a fresh delta, or one of far fewer inner steps, is not judged so
+    assert decide_pair([0, 1], G, 20000, level, [None, None], [0.010, -0.025], 0.03, fresh={1})[0] == {}
+    assert decide_pair([0, 1], G, 20000, level, [None, None], [0.010, -0.025], 0.03, steps=[25, 1])[0] == {}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_healthy_pairs_are_never_rejected_over_a_run(seed):
+    from train.exchange.screen import ScreenHistory, screen_round
+
+    rnd = random.Random(seed)
+    h = ScreenHistory()
+    for r, pair in enumerate(_pair_run(20, corr=rnd.uniform(0.02, 0.6), seed=seed)):
+        rejected, info = screen_round(_Acc(pair), 5.0, -0.5, 0.03, h, r)
+        assert rejected == {}, (r, info)
+
+
+def test_a_flipped_delta_in_the_others_mean_does_not_push_a_healthy_one_to_the_noise_floor():
+    """Weighted by tokens 1, 2, 3 with the third flipped, the others' mean of a fourth has no common part left: its
+    cosine was 0 there. The noise floor takes the cosines again without the deltas the cosine rule rejected."""
+    deltas = _healthy(4, size=20000, corr=0.64, seed=1)
+    deltas[2] = -deltas[2]
+    rejected, info = _round(deltas, weights=[1.0, 2.0, 3.0, 4.0])
+    assert set(rejected) == {2} and "outer.screen_min_cosine" in rejected[2], info

@@ -32,7 +32,7 @@ from train.exchange.master import OuterMaster
 from train.exchange.membership import Membership, workers_alive
 from train.exchange.protocol import RejectedDelta, check_sidecar, commit, round_record
 from train.exchange.reduce import arrived, prune_rounds
-from train.exchange.screen import STREAK, screen_round
+from train.exchange.screen import STREAK, ScreenHistory, screen_round
 from train.diloco.pace import Pace, data_record, describe
 from train.diloco.policy import for_config
 from train.status.recorder import TimelineRecorder
@@ -139,6 +139,7 @@ class Coordinator:
         self.master.resume(paths.latest_committed())
         self.names = self.master.names
         self.loss_screen = self.make_loss_screen()
+        self.screen_history = ScreenHistory()  # the noise floor's memory for rounds of 2 (screen.py)
         if cfg.outer.fragments > 1:
             log.info("streaming DiLoCo: %d fragments, one synced every %d inner steps (τ = %d, α = %g): %s",
                      cfg.outer.fragments, cfg.outer.round_steps_at(0), cfg.outer.fragment_delay,
@@ -462,7 +463,8 @@ class Coordinator:
         self.screen_info, self.screen_streak = {}, {}
         if not oc.screen:
             return
-        out, self.screen_info = screen_round(acc, oc.screen_norm_ratio, oc.screen_min_cosine, oc.screen_loss_margin)
+        out, self.screen_info = screen_round(acc, oc.screen_norm_ratio, oc.screen_min_cosine, oc.screen_loss_margin,
+                                             self.screen_history, r)
         streak = getattr(self, "_streak", {})
         for w in list(streak):
             if w in acc.workers:
