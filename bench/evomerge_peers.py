@@ -461,6 +461,11 @@ def run_mergekit(tmp: Path, args, seed: int, models: Path, tasks_dir: Path, name
 
 
 # -- report ----------------------------------------------------------------------------------------------------------
+STYLE = {"edt": ("tab:blue", "-", "EvoMerge (merge + SFT)"),
+         "edt-before": ("tab:blue", ":", "EvoMerge before (copies, elites re-scored)"),
+         "mergekit-evolve": ("tab:orange", "-", "mergekit-evolve (CMA-ES, ties)")}
+
+
 def plot(runs: list[dict], out: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -469,22 +474,35 @@ def plot(runs: list[dict], out: Path, title: str) -> None:
     from train.core.plot import save_figure
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for tool, color in (("edt", "tab:blue"), ("mergekit-evolve", "tab:orange")):
+    for tool in dict.fromkeys(r["tool"] for r in runs):
+        color, ls, label = STYLE.get(tool, ("tab:gray", "--", tool))
         mine = [r for r in runs if r["tool"] == tool and r["curve"]]
-        for i, r in enumerate(mine):
+        for r in mine:
             xs, ys = zip(*r["curve"])
-            ax.step(xs, ys, where="post", color=color, alpha=0.35, lw=1)
+            ax.step(xs, ys, where="post", color=color, ls=ls, alpha=0.3, lw=1)
         xs = sorted({n for r in mine for n, _ in r["curve"]})
         med = [statistics.median([v for v in (best_at(r["curve"], n) for r in mine) if v is not None]) for n in xs]
-        label = "EvoMerge (merge + SFT)" if tool == "edt" else "mergekit-evolve (CMA-ES, ties)"
-        ax.step(xs, med, where="post", color=color, lw=2.4, label=f"{label}: median of {len(mine)} seeds")
+        ax.step(xs, med, where="post", color=color, ls=ls, lw=2.4, label=f"{label}: median of {len(mine)} seeds")
     ax.set_xlabel("candidate evaluations")
     ax.set_ylabel("best fitness so far (sum of exact match, 0-3)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     save_figure(fig, out)
+
+
+def replot(specs: list[str], out: Path) -> int:
+    """The picture from saved results: PATH or PATH:TOOL=NAME (that file's runs of TOOL drawn as NAME)."""
+    runs = []
+    for spec in specs:
+        path, _, rename = spec.partition(":")
+        old, _, new = rename.partition("=")
+        for r in json.loads(Path(path).read_text())["runs"]:
+            runs.append({**r, "tool": new if old and r["tool"] == old else r["tool"]})
+    plot(runs, out, "same parents, tasks, budget; each seed (thin), median (thick)")
+    print(f"written: {out}")
+    return 0
 
 
 def main() -> int:
@@ -512,10 +530,13 @@ def main() -> int:
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "evomerge-peers.png")
     ap.add_argument("--results", type=Path, help="results JSON (default bench/results/evomerge_peers.json)")
     ap.add_argument("--run-timeout", type=float, default=1800.0)
+    ap.add_argument("--replot", nargs="+", metavar="JSON[:TOOL=NAME]", help="only draw --plot from saved results")
     args = ap.parse_args()
     args.edt_set = [(k, json.loads(v)) for k, v in args.edt_set]
     if args.setup:
         return setup_venv()
+    if args.replot:
+        return replot(args.replot, args.plot)
     if args.quick:
         args.seeds, args.evals, args.population, args.items, args.final_items = args.seeds[:2], 12, 4, 30, 60
     if args.evals % args.population:
@@ -580,7 +601,7 @@ def main() -> int:
         path.write_text(json.dumps(record, indent=1))
     else:
         path = save_result("evomerge_peers" + ("_quick" if args.quick else ""), record)
-    plot(runs, args.plot, f"same parents, tasks, budget; {len(args.seeds)} seeds (thin), median (thick)")
+    plot(runs, args.plot, "same parents, tasks, budget; each seed (thin), median (thick)")
     print(f"written: {path}, {args.plot}; {time.time() - t_all:.0f} s in all")
     med = {tool: (statistics.median([r["best"] for r in runs if r["tool"] == tool]),
                   statistics.median([r["evals_to_best"] for r in runs if r["tool"] == tool])) for tool in args.tools}
