@@ -14,10 +14,11 @@ The same in both:
     generation of the answer to the chat-rendered prompt, exact match; fitness = the sum over tasks, 0..3). Each
     tool scores with its own evaluator (EDT in process, fp32: train/evomerge/lm_eval_fitness.py; mergekit-evolve
     saves each merge and loads it with lm-eval's HF backend, bf16 as it hard-codes).
-  - budget: candidate evaluations (EDT: population x generations, generation 0 included; mergekit-evolve:
-    --force-population-size = EDT's population and --max-fevals = budget - population, because CMA-ES
-    (cma.fmin2) runs one more generation than max-fevals allows and then scores its mean: budget + 1 evaluations);
-    wall time on this box is reported beside it.
+  - budget: candidate evaluations (EDT: every evaluation a worker made, generation 0 included; an elite or a copy
+    of a fine-tune takes the scores already measured for its weights and costs none, so EDT runs as many generations
+    as the budget allows; mergekit-evolve: --force-population-size = EDT's population and --max-fevals = budget -
+    population, because CMA-ES (cma.fmin2) runs one more generation than max-fevals allows and then scores its mean:
+    budget + 1 evaluations). Curves and bests count evaluations up to the budget; wall time on this box beside it.
   - the finalists: each tool's best model (EDT: final/; mergekit-evolve: final_model/, the merge of its
     best_config.yaml) is loaded with transformers and re-scored by ONE evaluator (ours, fp32) on other held-out items
     (`edt_final_<task>`, disjoint from the search items).
@@ -27,18 +28,23 @@ DNA's data mix), so it trains; mergekit-evolve searches the parameters of one fi
 
 mergekit-evolve's environment (`--setup`, or its one-line instruction when missing): a virtual environment
 runs/venv-evolve made with --system-site-packages (so torch 2.13, transformers and lm-eval 0.4.13 stay the locked
-ones) holding `pip install -c requirements/lock.txt 'mergekit[evolve]==0.1.5'` (+ ray, cma, wandb). mergekit 0.1.5's
-evolve code names `lm_eval.models.vllm_causallms` in a type annotation and in a monkeypatch; since lm-eval 0.4.10 that
-module is loaded lazily and imports vllm, so without vllm `mergekit-evolve` dies at import (lm-eval 0.4.9.2 instead
-does not import with transformers 5, which mergekit 0.1.5 needs). --setup adds one .pth hook to the venv that
-gives that module a placeholder VLLM class when vllm is absent; nothing else of mergekit is touched. Ray is started
-here as a one-node cluster with 2 CPUs and 1 logical GPU (mergekit's actors ask for one GPU each; on CPU the
-evaluations run on the CPU: --no-merge-cuda, lm-eval's device falls back to cpu), HF_HUB_OFFLINE=1,
-HF_DATASETS_OFFLINE=1.
+ones) holding `pip install -c requirements/lock.txt 'mergekit[evolve]==0.1.5'` (+ ray, cma, wandb; the `evolve` extra
+of pyproject.toml). As shipped, mergekit-evolve 0.1.5 cannot run here, for three reasons that --setup's one .pth hook
+fixes when the modules load (nothing else of mergekit, lm-eval or torch changes; SHIM below):
+  - its evolve code names `lm_eval.models.vllm_causallms`; since lm-eval 0.4.10 that module loads lazily and imports
+    vllm, so without vllm it dies at import (lm-eval 0.4.9.2 does not import with transformers 5, which mergekit
+    0.1.5 needs): the module gets a placeholder VLLM class when vllm is absent;
+  - its default evaluator calls torch.cpu.empty_cache(), which torch does not have: a no-op;
+  - lm-eval's HF backend defaults to device "cuda" and mergekit-evolve passes none: "cpu" where CUDA is absent.
+Ray is started here as a one-node cluster with --workers CPUs and as many logical GPUs (mergekit's actors ask for one
+GPU each; the work runs on the CPU, --no-merge-cuda), HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1.
+--in-memory fails in 0.1.5 (TypeError in mergekit's plan_in_memory); its default strategy (a pool of on-disk
+evaluators) is used.
 
 Bytes written: every file that appears under each tool's folder (its run dir / storage path and Ray's session
 folder), largest size seen, sampled every 0.5 s (mergekit-evolve deletes each merge after evaluating it).
-Writes bench/results/evomerge_peers.json and docs/img/evomerge-peers.png (--plot to put it elsewhere).
+Writes bench/results/evomerge_peers.json and docs/img/evomerge-peers.png (--plot to put it elsewhere; --replot draws
+it again from saved results).
 Last line: `evomerge-peers: mergekit-evolve best B_M in N_M evals; edt best B_E in N_E evals` (the median over seeds
 of the best fitness each tool found in its own evaluator, and the evaluations it took to first reach it).
 """
@@ -508,7 +514,7 @@ def replot(specs: list[str], out: Path) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setup", action="store_true", help=f"create {VENV.relative_to(REPO)} with {PIN} and exit")
-    ap.add_argument("--quick", action="store_true", help="2 seeds x 12 evaluations, 30 items per task")
+    ap.add_argument("--quick", action="store_true", help="2 seeds x 12 evaluations, 20 search items per task")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--evals", type=int, default=24, help="candidate evaluations per tool and seed")
     ap.add_argument("--generations", type=int, help="EDT's generations (default: as many as the budget allows)")
@@ -538,7 +544,7 @@ def main() -> int:
     if args.replot:
         return replot(args.replot, args.plot)
     if args.quick:
-        args.seeds, args.evals, args.population, args.items, args.final_items = args.seeds[:2], 12, 4, 30, 60
+        args.seeds, args.evals, args.population, args.items, args.final_items = args.seeds[:2], 12, 4, 20, 40
     if args.evals % args.population:
         raise SystemExit(f"--evals {args.evals} must be a multiple of --population {args.population} (CMA-ES "
                          f"generations of that size)")
