@@ -504,8 +504,10 @@ def replot(specs: list[str], out: Path) -> int:
     for spec in specs:
         path, _, rename = spec.partition(":")
         old, _, new = rename.partition("=")
-        for r in json.loads(Path(path).read_text())["runs"]:
-            runs.append({**r, "tool": new if old and r["tool"] == old else r["tool"]})
+        saved = json.loads(Path(path).read_text())
+        for r in saved["runs"]:
+            curve = [(n, v) for n, v in r["curve"] if n <= saved["args"]["evals"]]  # within that run's budget
+            runs.append({**r, "curve": curve, "tool": new if old and r["tool"] == old else r["tool"]})
     plot(runs, out, "same parents, tasks, budget; each seed (thin), median (thick)")
     print(f"written: {out}")
     return 0
