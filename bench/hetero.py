@@ -1,7 +1,9 @@
 """Mixed machines on one box: rounds by time against a fixed H when some workers are slower.
 
-    python bench/hetero.py --quick          # 4 workers, two at half speed, the micro Llama (~5 min on 2 cores)
-    python bench/hetero.py                  # longer runs, 2 seeds
+    python bench/hetero.py --quick          # 4 workers, two at half speed, the micro Llama, the default weighting
+                                            # (~5 min on 2 cores)
+    python bench/hetero.py --rounds 4 --local-steps 80 --seeds 0   # every weighting (~11 min on 2 cores)
+    python bench/hetero.py                  # longer runs, 2 seeds, every weighting
 
 Every row is a real `diloco_sim.py` run (worker processes under their supervisors, the BASE_DIR protocol) of the
 micro Llama on the embedded corpus. Workers 2 and 3 are held to half speed by the simulator (`--slow 2=0.5,3=0.5`:
@@ -123,6 +125,7 @@ def summarise(res: dict, budget_tokens: int, t_fixed: float | None) -> dict:
 
 def picture(rows: dict[str, dict], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -136,6 +139,7 @@ def picture(rows: dict[str, dict], path: Path) -> None:
         ax.set_title(f"{name}: training time / round time")
         ax.set_xlabel("round")
         ax.set_ylim(0, 105)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("utilisation %")
     axes[0][-1].legend(fontsize=8, loc="lower right")
@@ -147,12 +151,14 @@ def picture(rows: dict[str, dict], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one seed, 4 rounds of H = 80 (at most ~6 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="one seed, 4 rounds of H = 80, the default weighting only "
+                                                         "(at most ~6 min on 2 cores)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=None, help="rounds of the fixed-H rows (the token budget)")
     ap.add_argument("--local-steps", type=int, default=None, help="H of the fixed-H rows (the time rows' cap is 2H)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
-    ap.add_argument("--weightings", nargs="+", default=["tokens", "equal", "per_step"])
+    ap.add_argument("--weightings", nargs="+", default=None,
+                    help="the time rows' outer.weighting (default: tokens, equal, per_step; --quick: the default one)")
     ap.add_argument("--max-tokens", type=int, default=2_000_000)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every row (e.g. data.cache_dir=... for a token cache made elsewhere)")
@@ -164,6 +170,7 @@ def main() -> int:
         raise SystemExit("hetero: --workers must be >= 3 (workers 2 and 3 are the slow ones, 0 and 1 the fast)")
     from train.config import RunConfig
     default_weighting = RunConfig().outer.weighting
+    args.weightings = args.weightings or ([default_weighting] if args.quick else ["tokens", "equal", "per_step"])
     H, R = args.local_steps, args.rounds
     batch = json.loads((REPO / "evolution.json").read_text())["inner"]["total_batch_size"]
     seq = json.loads((REPO / "evolution.json").read_text())["data"]["seq_length"]
