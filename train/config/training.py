@@ -253,11 +253,11 @@ class OuterConfig:
     round_time_s: float = doc(0.0, "Rounds by time (docs/hetero.md): 0 = off (every worker runs H = local_steps "
                                    "inner steps a round). > 0: the coordinator gives each worker the H it can "
                                    "train in this many seconds, from its measured speed (the median steps / second of "
-                                   "its last 3 rounds; the first round, and a joiner's first, calibrate at "
-                                   "local_steps / 4), capped at local_steps; a worker stops once the others have "
-                                   "published and this much time has passed (or at 1.5 x this), and reads what it "
-                                   "left first in its next round. One outer step per round. Not with fragments or "
-                                   "local_steps_schedule.")
+                                   "its last 3 rounds; the first round, and a joiner's first, calibrate for "
+                                   "local_steps / 4 steps or half this), capped at local_steps; a worker stops "
+                                   "once the others have published and this much time has passed (or at 1.5 x "
+                                   "this), and reads what it left first in its next round. One outer step per "
+                                   "round. Not with fragments or local_steps_schedule.")
     step_rates: dict = doc({}, "Rounds by time with given speeds instead of measured ones: {\"worker id\": inner "
                                "steps per second}, e.g. {\"0\": 20, \"1\": 10} (every worker of the run listed). "
                                "The plan is then fixed and the workers run exactly their H (no deadline), so a run "

@@ -8,8 +8,9 @@ coordinator gives each worker its own H (HALoS's synchronous baseline, torchft's
     H_w = clamp(floor(round_time_s x rate_w), 1, local_steps)      rate_w: w's inner steps per second, measured
 
 Where the H come from, round by round:
-  * round 0, and a worker's first round after it joins: `calibration_steps` (local_steps / 4), a short round that
-    measures the worker instead of a full slow one;
+  * round 0, and a worker's first round after it joins: `calibration_steps` (local_steps / 4) or CALIBRATE x
+    round_time_s of training, whichever ends first: a short round that measures the worker instead of a full slow
+    one, and in which a fast worker does not wait for a slow one;
   * after that, the median rate of the worker's last three deltas (each its sidecar's inner_steps / train_seconds):
     step times wander by 10-20% from round to round on a shared box, and a plan that chased each round's figure made
     the next round's slowest worker later still. A rate more than STEP_CHANGE off that median is a change of speed,
@@ -48,6 +49,7 @@ from train.exchange.layout import Layout, per_slot
 log = logging.getLogger("pace")
 
 GRACE = 1.5        # a worker behind its plan stops at this x round_time_s (noise in step times stays inside it)
+CALIBRATE = 0.5    # a calibration round: local_steps / 4 steps, or this x round_time_s if that comes first
 HYSTERESIS = 0.05  # a new plan is written when some worker's H moves by more than this fraction (and >= 1 step)
 HISTORY = 3        # a worker's rate: the median of its last HISTORY measured rates ...
 STEP_CHANGE = 0.3  # ... unless the newest is this far off that median: then from the newest on (a change of speed)

@@ -48,7 +48,7 @@ from train.core.inner import InnerTrainer
 from train.core.background import OneSlot
 from train.core.coordinator_lease import CoordinatorWatch
 from train.core.heartbeat import Heartbeat
-from train.diloco.pace import GRACE, schedule_for, split_carry
+from train.diloco.pace import CALIBRATE, GRACE, schedule_for, split_carry
 from train.exchange.reduce import arrived
 from train.diloco.policy import for_config
 from train.diloco.resume import ResumeState
@@ -369,7 +369,7 @@ class Worker(ResumeState):
         stop = None
         if replay:  # the steps its delta had (fewer than H where the round's end stopped it)
             H = int(self.state.get("steps_of", {}).get(str(r), H))
-        elif self.deadline_s and not data.get("calibrate"):  # (a calibration round measures: it runs its H)
+        elif self.deadline_s:
             stop = self.round_end(r, data)
         stats = tr.train_steps(self.batches.next_batch, H, on_step, before_step=seg.before_step, stop=stop)
         reads = self.sampler.reads()
@@ -383,6 +383,9 @@ class Worker(ResumeState):
         round_time_s has passed (the round waits for nobody but us: what we did not read goes on to our next round),
         or at GRACE x round_time_s (train/diloco/pace.py)."""
         t0, oc = time.perf_counter(), self.cfg.outer
+        if data.get("calibrate"):  # a calibration: CALIBRATE x round_time_s of steps, whatever our speed
+            until = t0 + CALIBRATE * oc.round_time_s
+            return lambda: time.perf_counter() >= until
         hard, soft = t0 + self.deadline_s, t0 + oc.round_time_s
         others = data["slots"] - 1
         seen = {"t": 0.0, "done": False}
