@@ -13,8 +13,8 @@ import time
 import pytest
 
 from tests.helpers import REPO
-from tests.helpers.proc import (coordinator_pid, held, kill_all, kill_and_await_restart, progress_of, script_cmd,
-                                start_script, wait_until)
+from tests.helpers.proc import (coordinator_pid, ctrl_c_default, held, kill_all, kill_and_await_restart, progress_of,
+                                script_cmd, start_script, wait_until)
 from train.config import build_config
 from train.core.store import read_json, read_jsonl, verify_manifest
 from train.exchange.store import DiLoCoPaths
@@ -242,7 +242,7 @@ def test_a_sigtermed_worker_leaves_and_is_reported_as_left(tmp_path, write_confi
     cfg = write_config(outer={"rounds": 40, "local_steps": 200})
     paths = DiLoCoPaths(tmp_path / "runs" / "t")
     sim = subprocess.Popen(script_cmd("diloco_sim.py", "--config", cfg), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, cwd=REPO)
+                           stderr=subprocess.STDOUT, text=True, cwd=REPO, preexec_fn=ctrl_c_default)
     try:
         wait_until(lambda: progress_of(paths, 1).get("status") == "training" and progress_of(paths, 1).get("step", 0)
                    >= 3, 300, "worker 1 training", sim)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers.proc import script_cmd
+from tests.helpers.proc import ctrl_c_default, script_cmd
 from train.exchange.store import DiLoCoPaths
 
 
@@ -33,7 +33,8 @@ def test_ctrl_c_stops_all_workers_and_rerun_resumes(write_config, tmp_path):
     cfg_path = write_config(outer={"rounds": 100_000, "local_steps": 3})
     paths = DiLoCoPaths(tmp_path / "runs" / "t")
     cmd = script_cmd("diloco_sim.py", "--config", str(cfg_path))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=ctrl_c_default)
     deadline = time.monotonic() + 180
     while (paths.latest_committed() or 0) < 1:
         assert proc.poll() is None, proc.stdout.read()

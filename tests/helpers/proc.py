@@ -36,6 +36,13 @@ def run_script(script: str, *args: str, timeout: float = 300) -> subprocess.Comp
     return subprocess.run(script_cmd(script, *args), capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
+def ctrl_c_default() -> None:
+    """A Popen `preexec_fn`: SIGINT back to its default in the child, so that a process a test stops with SIGINT
+    (Ctrl-C) takes it even when the suite runs in the background (`pytest &`: a non-interactive shell starts
+    background jobs with SIGINT ignored, and a Python started so leaves it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_script(script_or_module: list[str], log: Path) -> subprocess.Popen:
     f = open(log, "ab")
     return subprocess.Popen([sys.executable, *with_threads(script_or_module)], stdout=f, stderr=subprocess.STDOUT,
