@@ -201,7 +201,8 @@ class Coordinator:
         if lay is None:
             lay = Layout.single(N, self.pace.windows(N) if oc.paced else self.round_windows(0))
             if oc.paced:
-                lay.segments[0]["why"] = f"start: {N} workers, rounds by time ({self.describe_plan(lay, 0)})"
+                plan = describe(per_slot(lay.segments[0]), self.cfg.inner.total_batch_size)
+                lay.segments[0]["why"] = f"start: {N} workers, rounds by time ({plan})"
                 self.pace.mark(lay.segments[0])
             if latest > 0:  # a run from before data layouts: its first segment starts here
                 lay.resize(latest, N, self.round_windows(latest),
@@ -303,9 +304,6 @@ class Coordinator:
         lay.save(self.paths)
         log.info("rounds by time: from round %d %s (outer.round_time_s = %g)", q, describe(new, batch),
                  self.cfg.outer.round_time_s)
-
-    def describe_plan(self, lay: Layout, r: int) -> str:
-        return describe(per_slot(lay.segment(r)), self.cfg.inner.total_batch_size)
 
     def expected(self, r: int) -> tuple[int, int]:
         """(slots of round r, workers awaited in round r): rounds of an older segment before a shrink do not wait

@@ -38,15 +38,12 @@ left), unless inner.total_steps fixes it.
 """
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 from collections import deque
 
 from train.core.errors import ConfigError
 from train.exchange.layout import Layout, per_slot
-
-log = logging.getLogger("pace")
 
 GRACE = 1.5        # a worker behind its plan stops at this x round_time_s (noise in step times stays inside it)
 CALIBRATE = 0.5    # a calibration round: local_steps / 4 steps, or this x round_time_s if that comes first
