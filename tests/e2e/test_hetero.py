@@ -31,6 +31,7 @@ def _disjoint(spans: list[tuple[int, int]]) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (the default tier's joiner test, test_elastic.py, checks the same schedule at a join)
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_a_worker_back_after_missed_rounds_trains_at_the_runs_learning_rate(tmp_path, write_config):
     """3 workers; worker 2 is SIGKILLed after round 2 while its supervisor is held, so the run goes on without it for
