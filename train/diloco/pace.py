@@ -8,7 +8,7 @@ coordinator gives each worker its own H (HALoS's synchronous baseline, torchft's
     H_w = clamp(floor(round_time_s x rate_w), 1, local_steps)      rate_w: w's inner steps per second, measured
 
 Where the H come from, round by round:
-  * round 0, and a worker's first round after it joins: `calibration_steps` (local_steps / 4) or CALIBRATE x
+  * round 0, and a worker's first round after it joins: `calibration_steps` (local_steps / 4, at most 32) or CALIBRATE x
     round_time_s of training, whichever ends first: a short round that measures the worker instead of a full slow
     one, and in which a fast worker does not wait for a slow one;
   * after that, the median rate of the worker's last three deltas (each its sidecar's inner_steps / train_seconds):
@@ -52,9 +52,13 @@ HISTORY = 3        # a worker's rate: the median of its last HISTORY measured ra
 STEP_CHANGE = 0.3  # ... unless the newest is this far off that median: then from the newest on (a change of speed)
 
 
+CALIBRATION_MAX = 32  # steps: enough to measure a speed; what a calibration stopped by time leaves is carried over
+
+
 def calibration_steps(cap: int) -> int:
-    """H of a worker whose speed is not known yet (round 0, a worker that just joined): a quarter of the cap."""
-    return max(1, cap // 4)
+    """H of a worker whose speed is not known yet (round 0, a worker that just joined): a quarter of the cap, at
+    most CALIBRATION_MAX (a large cap would otherwise leave a large slice carried from run to end)."""
+    return max(1, min(cap // 4, CALIBRATION_MAX))
 
 
 class Pace:
