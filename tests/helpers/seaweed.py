@@ -41,6 +41,7 @@ from pathlib import Path
 from tests.helpers.fusefs import is_mounted, unmount
 
 SERVERS = ("master", "volume", "filer")
+S3_KEY, S3_SECRET = "edt-test-key", "edt-test-secret"  # the S3 gateway's one identity (a private loopback server)
 
 
 def weed_binary() -> str | None:
@@ -166,6 +167,11 @@ class SeaweedFS:
     closed: bool = False  # after close(): nothing starts again (a bench's timer thread may still try)
     sockets: Path | None = None  # the mounts' control sockets: a short folder (a socket's path has 107 bytes)
     started_mounts: int = 0      # mounts started so far (each its own socket)
+    s3: bool = False             # also run the S3 gateway (`weed s3`) in front of the filer
+
+    @property
+    def server_names(self) -> tuple[str, ...]:
+        return SERVERS + (("s3",) if self.s3 else ())
 
     # -- addresses -----------------------------------------------------------------------------------------------
     def addr(self, server: str) -> str:
@@ -188,6 +194,15 @@ class SeaweedFS:
         if server == "volume":
             return [self.weed, "volume", *common, f"-dir={data}", f"-mserver={self.addr('master')}", "-max=64",
                     "-preStopSeconds=0"]
+        if server == "s3":
+            conf = self.root / "s3.json"
+            conf.write_text(json.dumps({"identities": [{
+                "name": "edt", "credentials": [{"accessKey": S3_KEY, "secretKey": S3_SECRET}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+            extra = self.ports["s3-extra"]  # its Iceberg and Lance listeners: free ports too (defaults collide)
+            return [self.weed, "s3", "-ip.bind=127.0.0.1", f"-port={http}", f"-port.grpc={grpc}",
+                    f"-filer={self.addr('filer')}", f"-config={conf}", "-iam=false", f"-port.iceberg={extra[0]}",
+                    f"-port.lance={extra[1]}"]
         return [self.weed, "filer", *common, f"-master={self.addr('master')}", f"-defaultStoreDir={data}"]
 
     def _ready(self, server: str) -> bool:
@@ -198,6 +213,14 @@ class SeaweedFS:
             nodes = [n["Url"] for dc in topo.get("DataCenters") or [] for rack in dc.get("Racks") or []
                      for n in rack.get("DataNodes") or []]
             return f"127.0.0.1:{self.ports['volume'][0]}" in nodes
+        if server == "s3":  # the gateway answers an unsigned request (with an S3 error: it is up)
+            try:
+                urllib.request.urlopen(self.url("s3") + "/", timeout=2).close()
+            except urllib.error.HTTPError:
+                return True
+            except OSError:
+                return False
+            return True
         return isinstance(_http_json(self.url("filer") + "/"), dict)  # the filer answers a listing of its root
 
     def start_server(self, server: str, timeout: float = 60) -> None:
@@ -215,7 +238,7 @@ class SeaweedFS:
     def start(self, timeout: float = 60) -> SeaweedFS:
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         taken: set[int] = set()
-        for server in SERVERS:
+        for server in (*self.server_names, *(("s3-extra",) if self.s3 else ())):
             ports = []
             while len(ports) < 2:
                 p = free_port()
@@ -223,9 +246,25 @@ class SeaweedFS:
                     taken.add(p)
                     ports.append(p)
             self.ports[server] = (ports[0], ports[1])
-        for server in SERVERS:
+        for server in self.server_names:
             self.start_server(server, timeout)
         return self
+
+    # -- the S3 gateway (s3=True) ----------------------------------------------------------------------------------
+    def s3_env(self) -> dict[str, str]:
+        """The standard AWS variables that point a client at this gateway (plain http: loopback)."""
+        return {"AWS_ENDPOINT_URL": self.url("s3"), "AWS_ACCESS_KEY_ID": S3_KEY,
+                "AWS_SECRET_ACCESS_KEY": S3_SECRET, "AWS_REGION": "us-east-1"}
+
+    def s3_client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url("s3"), aws_access_key_id=S3_KEY,
+                            aws_secret_access_key=S3_SECRET, region_name="us-east-1")
+
+    def make_bucket(self, name: str) -> str:
+        self.s3_client().create_bucket(Bucket=name)
+        return name
 
     def stop_server(self, server: str, sig: int = signal.SIGKILL) -> None:
         """Stop one server (SIGKILL by default: a crash), and wait until its process is gone."""
@@ -313,7 +352,7 @@ class SeaweedFS:
         for name in list(self.mounts):
             with contextlib.suppress(Exception):
                 self.unmount(name)
-        for server in reversed(SERVERS):
+        for server in reversed(self.server_names):
             if server in self.servers:
                 self.servers[server].stop()
         if self.sockets is not None:
@@ -326,7 +365,7 @@ class SeaweedFS:
 
 
 @contextlib.contextmanager
-def seaweedfs(root: Path, timeout: float = 60):
+def seaweedfs(root: Path, timeout: float = 60, s3: bool = False):
     """Start a private SeaweedFS with its data and logs under `root` and yield it (a SeaweedFS); stop all of it
     (mounts unmounted, every process ended) when the block ends, also when it raises or a start fails."""
     weed = weed_binary()
@@ -335,7 +374,7 @@ def seaweedfs(root: Path, timeout: float = 60):
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for attempt in range(3):  # a port picked free can be taken by another process before weed binds it
-        sw = SeaweedFS(root / f"sw{attempt}" if attempt else root, weed)
+        sw = SeaweedFS(root / f"sw{attempt}" if attempt else root, weed, s3=s3)
         try:
             sw.start(timeout)
             break

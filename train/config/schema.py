@@ -198,6 +198,9 @@ class RunConfig:
 
     @property
     def run_dir(self) -> Path:
+        from train.core import objstore
+        if objstore.is_url(self.base_dir):  # an object store: the run's local mirror (train/core/objstore.py)
+            return objstore.attach(self.base_dir, check=False) / self.project_name
         base = Path(os.path.expanduser(self.base_dir))
         if not base.is_absolute():
             # the installed package's default config: a relative BASE_DIR is the current folder's (never

@@ -1,6 +1,7 @@
 """Plots written into the run folder (matplotlib, headless)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -35,8 +36,10 @@ def save_figure(fig, out: Path) -> None:
     """Write a figure atomically (a temp name, then a rename: a viewer never opens half a PNG) and close it."""
     import matplotlib.pyplot as plt
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
+    from train.core import sharedfs
+
+    sharedfs.makedirs(out.parent)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
     fig.savefig(tmp)
     plt.close(fig)
-    tmp.replace(out)
+    sharedfs.replace(tmp, out)  # an object store (train/core/objstore.py): the upload

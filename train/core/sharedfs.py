@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from train.core import objstore
 from train.core.errors import UserError
 
 log = logging.getLogger("sharedfs")
@@ -232,8 +233,9 @@ _known_lock = threading.Lock()
 
 def listdir(folder: str | os.PathLike) -> list[str]:
     """The names in `folder` ([] if it does not exist). Only call it on a folder known to exist (see `exists`)."""
+    store = objstore.store_for(folder)
     try:
-        names = retry("list", folder, lambda: os.listdir(folder))
+        names = retry("list", folder, (lambda: store.listdir(folder)) if store else (lambda: os.listdir(folder)))
     except (FileNotFoundError, NotADirectoryError):
         with _known_lock:
             _known_dirs.discard(os.fspath(folder))
@@ -290,6 +292,8 @@ def names(folder: str | os.PathLike) -> list[str]:
 
 # -- calls that touch one file -------------------------------------------------------------------------------------
 def stat(path: str | os.PathLike) -> os.stat_result:
+    if (store := objstore.store_for(path)) is not None:
+        return retry("stat", path, lambda: store.stat(path))
     return retry("stat", path, lambda: os.stat(path))
 
 
@@ -300,7 +304,9 @@ def read_bytes(path: str | os.PathLike) -> bytes:
     asks the server when a read goes past the size it knows): 9 calls of a FUSE mount per small JSON file instead
     of 5 (bench/scale.py reads N sidecars and N leases a round). Files here are replaced whole, never rewritten in
     place, so the size at the open is the file's; an append-only file is read up to the size it had then. A file
-    without a size (st_size 0: /proc, a pipe) is read to its end."""
+    without a size (st_size 0: /proc, a pipe) is read to its end. On an object store: one GET."""
+    if (store := objstore.store_for(path)) is not None:
+        return retry("read", path, lambda: store.read_bytes(path))
     def once() -> bytes:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -387,17 +393,75 @@ def start_writeback(fd: int, offset: int, nbytes: int, path: str | os.PathLike) 
 
 
 def open_fd(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    """os.open, retried. On an object store: for reading, a descriptor of the mirror's copy (downloaded unless
+    current); for writing, the mirror file (local: published by `replace`, or uploaded by `upload_written`)."""
+    if (store := objstore.store_for(path)) is not None:
+        if flags & os.O_EXCL:
+            raise ValueError(f"{path}: O_EXCL on an object store: use sharedfs.create_new")
+        if not flags & (os.O_WRONLY | os.O_RDWR):
+            return retry("open", path, lambda: store.open_read(path))
+        os.makedirs(os.path.dirname(os.fspath(path)), exist_ok=True)
     return retry("open", path, lambda: os.open(path, flags, mode))
+
+
+def upload_written(path: str | os.PathLike) -> None:
+    """A file written in place under its final name (not published by `replace`): on an object store, upload it
+    now (whole). Nothing on a plain disk."""
+    if (store := objstore.store_for(path)) is not None:
+        retry("write", path, lambda: store.note_local(Path(path), store.upload(path, path)))
+
+
+def create_new(path: str | os.PathLike, data: bytes) -> bool:
+    """Create `path` holding `data` only if no file has that name: True if this call created it, False if it
+    existed. A plain disk: O_CREAT | O_EXCL, written and fsynced (a reader of such a file waits for its content);
+    an object store: a PUT with If-None-Match: *."""
+    if (store := objstore.store_for(path)) is not None:
+        def put() -> bool:
+            try:
+                store.put_bytes(path, data, if_absent=True)
+                return True
+            except FileExistsError:
+                return False
+        return retry("create", path, put)
+
+    def once() -> bool:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            view, done = memoryview(data).cast("B"), 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+    return retry("create", path, once)
+
+
+def locks_are_local(path: str | os.PathLike) -> bool:
+    """True where a lock taken on `path` says nothing to other machines (an object store's mirror)."""
+    return objstore.store_for(path) is not None
 
 
 def replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """os.replace, retried. A retry that finds `src` gone and `dst` present is the first attempt having happened
     on the server while its reply was lost (NFS's non-idempotent rename): success."""
     first = [True]
+    store, from_store = objstore.store_for(dst), objstore.store_for(src)
 
     def once() -> None:
         try:
-            os.replace(src, dst)
+            if store is not None and from_store is not None:
+                store.move(src, dst)  # an object renamed (server-side copy, then delete)
+            elif store is not None:
+                store.publish(src, dst)  # a local temp published
+            elif from_store is not None:  # an object moved to a temp name: taken out of the store (then removed)
+                import stat as stat_
+                _take_out(from_store, src, dst, tree=stat_.S_ISDIR(from_store.stat(src).st_mode))
+            else:
+                os.replace(src, dst)
         except FileNotFoundError:
             if first[0] or not os.path.lexists(dst):
                 raise
@@ -406,7 +470,106 @@ def replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     retry("rename", dst, once)
 
 
+def _take_out(store, src, dst, tree: bool) -> None:
+    """`replace(object, temp name)`: the mirror copy moves to the temp name, the object (or folder) is deleted."""
+    try:
+        os.replace(src, dst)
+    except OSError:
+        pass
+    store.delete_tree(src) if tree else store.delete(src)
+
+
+def rmtree(folder: str | os.PathLike) -> None:
+    """Remove a folder and everything in it, for good, whoever made it (old rounds, uncommitted state). A plain
+    disk: renamed to a temp name first (a reader never sees half a folder under its name), then removed; an
+    object store: its objects deleted, markers first. Nothing if it does not exist."""
+    import shutil
+
+    folder = Path(folder)
+    if (store := objstore.store_for(folder)) is not None:
+        retry("remove", folder, lambda: store.delete_tree(folder))
+        return
+    if objstore.mirror_store(folder) is None and folder.name.startswith("."):
+        shutil.rmtree(folder, ignore_errors=True)  # a temp folder of this process: nobody else reads it
+        return
+    trash = folder.with_name(f".{folder.name}.deleting-{os.getpid()}")
+    try:
+        os.rename(folder, trash)
+    except FileNotFoundError:
+        return
+    except OSError:
+        trash = folder
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def walk_files(folder: str | os.PathLike) -> list[str]:
+    """Every file under `folder`, relative to it ('/'-separated, sorted; temp names left out)."""
+    if (store := objstore.store_for(folder)) is not None:
+        return sorted(n for n in retry("list", folder, lambda: store.walk(folder))
+                      if not any(part.startswith(".") for part in n.split("/")))
+    folder = Path(folder)
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def local_copy(path: str | os.PathLike) -> Path:
+    """A path a library can open by name (transformers' from_pretrained, safetensors' safe_open, shutil): the path
+    itself on a plain disk; on an object store, its mirror copy, downloaded (a folder: every file in it)."""
+    if (store := objstore.store_for(path)) is not None:
+        return retry("read", path, lambda: store.local_copy(path))
+    return Path(path)
+
+
+def publish_once(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> bool:
+    """Publish the temp folder `tmp_dir` as `final_dir` only if no folder has that name yet (create-once: the first
+    attempt wins). True if this call published it. A plain disk: one rename (ENOTEMPTY / EEXIST: lost; a retry
+    that finds tmp gone and final there is ours); an object store: the files, then MANIFEST.json created only if
+    absent."""
+    if (store := objstore.store_for(final_dir)) is not None:
+        return retry("publish", final_dir, lambda: store.publish(tmp_dir, final_dir, once=True))
+    first = [True]
+
+    def once() -> bool:
+        try:
+            os.rename(tmp_dir, final_dir)
+            return True
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            if isinstance(e, FileNotFoundError) and not first[0] and os.path.isdir(final_dir):
+                return True
+            raise
+        finally:
+            first[0] = False
+    return retry("rename", final_dir, once)
+
+
+def server_now(folder: str | os.PathLike) -> float | None:
+    """The storage's clock (for leases judged by modification times), on an object store; None on a plain disk
+    (the caller touches a file there)."""
+    if (store := objstore.store_for(folder)) is not None:
+        return retry("clock", folder, store.server_time)
+    return None
+
+
+def touch(path: str | os.PathLike) -> None:
+    """Set a file's modification time to now (a lease renewed). An object store: the object written again with
+    the same bytes (its LastModified is the lease)."""
+    if (store := objstore.store_for(path)) is not None:
+        retry("touch", path, lambda: store.put_bytes(path, store.read_bytes(path)))
+        return
+    retry("touch", path, lambda: os.utime(path))
+
+
 def unlink(path: str | os.PathLike, missing_ok: bool = True) -> None:
+    if (store := objstore.store_for(path)) is not None:
+        def gone() -> None:
+            if not missing_ok:
+                store.stat(path)  # FileNotFoundError if there is none
+            store.delete(path)
+        retry("unlink", path, gone)
+        return
+
     def once() -> None:
         try:
             os.unlink(path)
@@ -417,12 +580,18 @@ def unlink(path: str | os.PathLike, missing_ok: bool = True) -> None:
 
 
 def makedirs(folder: str | os.PathLike) -> None:
-    retry("mkdir", folder, lambda: os.makedirs(folder, exist_ok=True))
+    if (store := objstore.store_for(folder)) is not None:
+        retry("mkdir", folder, lambda: store.make_folder(folder))
+    else:
+        retry("mkdir", folder, lambda: os.makedirs(folder, exist_ok=True))
     remember_dir(folder)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename in `path` durable (best effort: some filesystems refuse fsync on a folder)."""
+    """Make a rename in `path` durable (best effort: some filesystems refuse fsync on a folder). Nothing on an
+    object store (a PUT is durable when it returns)."""
+    if objstore.store_for(path) is not None:
+        return
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -437,7 +606,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def write_file(path: str | os.PathLike, data: bytes | Any, *, durable: bool = True) -> None:
     """Write `data` to a new file `path` (truncating), every byte at its offset, then fsync; retried as a whole.
-    On a full disk the file is truncated before the wait (its partial bytes would hold the space it waits for)."""
+    On a full disk the file is truncated before the wait (its partial bytes would hold the space it waits for).
+    On an object store: a temp name (a dot name, published by `replace`) is a mirror file; any other, one PUT."""
+    store = objstore.store_for(path)
+    if store is not None and not Path(path).name.startswith("."):
+        retry("write", path, lambda: store.put_bytes(path, data))
+        return
+    if store is not None:
+        os.makedirs(os.path.dirname(os.fspath(path)), exist_ok=True)
     def once() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -542,6 +718,8 @@ class SequentialFile:
                 fsync(fd, self.path)
         finally:
             os.close(fd)
+        if durable and not Path(self.path).name.startswith("."):
+            upload_written(self.path)  # an object store: the file goes up whole now
 
     def __enter__(self) -> "SequentialFile":
         return self

@@ -35,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from train.core import sharedfs
+from train.core import objstore, sharedfs
 from train.core.errors import ProtocolError  # noqa: F401  (raised here)
 
 PROTOCOL_VERSION = 1
@@ -59,6 +59,7 @@ def exclusive_lock(path: str | os.PathLike, what: str, lease: str | os.PathLike 
 
     path = Path(path)
     sharedfs.makedirs(path.parent)
+    local = sharedfs.locks_are_local(path)  # an object store: the lock file is the mirror's, this machine's only
     f = sharedfs.retry("open", path, lambda: open(path, "a+"))
 
     def lock() -> bool | None:
@@ -74,7 +75,7 @@ def exclusive_lock(path: str | os.PathLike, what: str, lease: str | os.PathLike 
 
     locked = sharedfs.retry("lock", path, lock)
     if locked is None:
-        holder = sharedfs.read_text(path).strip() or "pid ?"
+        holder = (path.read_text() if local else sharedfs.read_text(path)).strip() or "pid ?"
         f.close()
         raise ProtocolError(f"{what} is already running ({holder}, lock {path}); stop it first") from None
     if not locked:
@@ -82,7 +83,7 @@ def exclusive_lock(path: str | os.PathLike, what: str, lease: str | os.PathLike 
         # live process; say that the lock itself protects nothing here (docs/protocol.md "On NFS").
         log.warning("%s: file locks are not supported on this disk: one %s at a time is enforced by its lease "
                     "only", path, what)
-    if (not locked or os.environ.get("EDT_LOCKS") == "local") and lease is not None:
+    if (not locked or local or os.environ.get("EDT_LOCKS") == "local") and lease is not None:
         holder = live_lease(Path(lease), watch_s)
         if holder:
             f.close()
@@ -198,9 +199,9 @@ def write_manifest(folder: str | os.PathLike, hashes: dict[str, str] | None = No
 
     folder = Path(folder)
     files = {}
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith("."):
-            rel = str(p.relative_to(folder))
+    for rel in sharedfs.walk_files(folder):
+        if rel != MANIFEST:
+            p = folder / rel
             files[rel] = {"bytes": sharedfs.stat(p).st_size,
                           "sha256": (hashes or {}).get(rel) or digest.of_file(p)}
     manifest = {"protocol": PROTOCOL_VERSION, "files": files}
@@ -264,11 +265,24 @@ def publish_dir(final_dir: Path, fill: Callable[[Path], Any]) -> Any:
 
 
 # -- the run's paths ------------------------------------------------------------------------------------------------
+def base_path(base_dir: str | os.PathLike) -> Path:
+    """The folder the protocol works in for `base_dir`: the path itself, or an s3:// URL's local mirror (its store
+    attached: train/core/objstore.py)."""
+    if objstore.is_url(base_dir):
+        return objstore.attach(os.fspath(base_dir), check=False)
+    return Path(os.path.expanduser(os.fspath(base_dir)))
+
+
 def prepare_run_dir(run_dir: str | os.PathLike, source: str = "the config") -> Path:
     """Create BASE_DIR/<project>; a base_dir that is a file, lies under a file or cannot be written is a ConfigError."""
     from train.core.errors import ConfigError
 
     run_dir = Path(run_dir)
+    store = objstore.store_for(run_dir)
+    if store is not None:  # an object store: the bucket answers, takes these credentials and conditional writes
+        store.check()
+        sharedfs.makedirs(run_dir)
+        return run_dir
     for p in [run_dir, *run_dir.parents]:
         if p.exists():
             if not p.is_dir():
@@ -366,6 +380,17 @@ def append_jsonl(path: Path, record: dict) -> None:
     sharedfs.makedirs(path.parent)
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
     tried = [False]
+    if objstore.store_for(path) is not None:  # an object store: the whole object written again with the line
+        def put() -> None:
+            data = sharedfs.read_bytes(path) if sharedfs.exists(path) else b""
+            if tried[0] and data.endswith(line):
+                return
+            if data and not data.endswith(b"\n"):
+                data += b"\n"
+            tried[0] = True
+            sharedfs.write_file(path, data + line)
+        sharedfs.retry("append", path, put)
+        return
 
     def once() -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

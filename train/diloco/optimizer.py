@@ -47,7 +47,6 @@ import hashlib
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -56,7 +55,8 @@ from train.core.errors import NotFound, TimedOut
 from train.core.model import WEIGHTS
 from train.exchange.protocol import commit, delta_sidecar, publish_sidecar, round_record, write_delta
 from train.exchange.reduce import arrived, param_order, prune_rounds, validate_and_reduce
-from train.core.store import (NO_LOCK, PROTOCOL_VERSION, ProtocolError, append_jsonl, ensure_run_manifest,
+from train.core import sharedfs
+from train.core.store import (NO_LOCK, PROTOCOL_VERSION, ProtocolError, append_jsonl, base_path, ensure_run_manifest,
                               exclusive_lock, publish_dir, read_json, read_jsonl, wait_for)
 from train.exchange.store import DiLoCoPaths
 from train.core.tensorio import DTYPE_BY_NAME, StreamingWriter, iter_tensors
@@ -128,7 +128,7 @@ class DiLoCoOptimizer:
         self.num_inner_steps, self.batch_size = num_inner_steps, batch_size
         self.averaging_timeout, self.min_workers, self.poll = averaging_timeout, min_workers, poll_interval
         self.delta_dtype, self.token_weighted, self.keep_rounds = delta_dtype, token_weighted, keep_rounds
-        self.paths = DiLoCoPaths(Path(base_dir) / run_id)
+        self.paths = DiLoCoPaths(base_path(base_dir) / run_id)
         self._lock_f = NO_LOCK  # this worker's lock, taken when it first touches the run
         self._source = params if isinstance(params, torch.nn.Module) else None
         self.params = named_params(params)
@@ -202,8 +202,8 @@ class DiLoCoOptimizer:
 
     def _join(self) -> None:
         paths = self.paths
-        paths.root.mkdir(parents=True, exist_ok=True)
-        if paths.run_json.is_file() and read_json(paths.run_json).get("identity", {}).get("kind") != KIND:
+        sharedfs.makedirs(paths.root)
+        if sharedfs.is_file(paths.run_json) and read_json(paths.run_json).get("identity", {}).get("kind") != KIND:
             raise ProtocolError(f"{paths.root} holds a coordinator run (diloco.py), not a DiLoCoOptimizer run: "
                                 f"use another run_id")
         ensure_run_manifest(paths, self.identity())
@@ -217,7 +217,7 @@ class DiLoCoOptimizer:
                 self._wait(lambda: paths.latest_committed() is not None, "round 0")
         self._load(paths.latest_committed())
         # A delta of this round published before a restart stands; this process only waits for the commit.
-        self._published = paths.delta_meta(self.round, self.worker).is_file()
+        self._published = sharedfs.is_file(paths.delta_meta(self.round, self.worker))
         log.info("worker %d/%d joined %s at round %d%s", self.worker, self.num_workers, paths.root, self.round,
                  " (our delta of this round is already published)" if self._published else "")
 
@@ -291,7 +291,9 @@ class DiLoCoOptimizer:
                         "rejoining at round %d", self.worker, r, paths.latest_committed())
             return
         try:
-            paths.deltas_dir(r).mkdir(exist_ok=True)  # no parents: a pruned round stays gone
+            if not sharedfs.exists(paths.round_dir(r)):  # a pruned round stays gone
+                raise FileNotFoundError(paths.round_dir(r))
+            sharedfs.makedirs(paths.deltas_dir(r))
             file = write_delta(paths.delta_file(r, self.worker), self._names, self._theta, self.params,
                                self.delta_dtype, r, self.worker)
         except FileNotFoundError:
@@ -368,7 +370,7 @@ def _check(ok: bool, arg: str, value: Any, rule: str) -> None:
 
 def load_global(base_dir: str | os.PathLike, run_id: str, round: int | None = None) -> tuple[int, dict]:
     """(round, {name: tensor}) of the latest (or the given) committed global parameters of a DiLoCoOptimizer run."""
-    paths = DiLoCoPaths(Path(base_dir) / run_id)
+    paths = DiLoCoPaths(base_path(base_dir) / run_id)
     r = paths.latest_committed() if round is None else round
     if r is None or not paths.is_committed(r):
         raise NotFound(f"{paths.root}: no committed round {'yet' if round is None else round}")

@@ -44,7 +44,7 @@ class ResumeState:
                          "inner step %d", st["round_done"], self.trainer.step)
             return
         f = self.state_dir / st["opt_file"]
-        present = broadcast_json(f.is_file() if self.dist.main else None, self.dist, self.device)
+        present = broadcast_json(sharedfs.is_file(f) if self.dist.main else None, self.dist, self.device)
         if not present:
             log.warning("the inner optimizer state of round %d (%s) is not on this host (outer.state_dir is host-"
                         "local?): resuming with fresh AdamW moments%s after round %d (no token is trained twice)",
@@ -106,9 +106,9 @@ class ResumeState:
             save_streaming(self.state_dir / opt_file, tensors)
             self.state.update(opt_file=opt_file, opt_round=r, opt_position=position, opt_extra=extra)
             atomic_write_json(paths.worker_state(w), self.state)
-            for old in self.state_dir.glob("opt-r*.safetensors"):
-                if old.name != opt_file:
-                    sharedfs.unlink(old)
+            for name in sharedfs.names(self.state_dir):
+                if name.startswith("opt-r") and name.endswith(".safetensors") and name != opt_file:
+                    sharedfs.unlink(self.state_dir / name)
             if on_base:
                 self.count_io("written", sharedfs.stat(self.state_dir / opt_file).st_size)
 

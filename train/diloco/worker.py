@@ -77,7 +77,7 @@ def build_worker_model(paths: DiLoCoPaths, model_config: dict | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if model_config is None:
-        mcfg = AutoConfig.from_pretrained(str(paths.global_dir(0)))
+        mcfg = AutoConfig.from_pretrained(str(sharedfs.local_copy(paths.global_dir(0) / "config.json").parent))
     else:
         mcfg = AutoConfig.for_model(**model_config)
     return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
@@ -127,7 +127,8 @@ class Worker(ResumeState):
         # What the other ranks need from BASE_DIR, read by rank 0: the model config, the data cache, our state.
         start = None
         if main:
-            state = read_json(self.paths.worker_state(self.w)) if self.paths.worker_state(self.w).is_file() else \
+            own = self.paths.worker_state(self.w)
+            state = read_json(own) if sharedfs.is_file(own) else \
                 {"round_done": -1, "position": 0, "step": 0}
             start = {"data": str(find_data(cfg)), "state": state,
                      "model_config": read_json(self.paths.global_dir(0) / "config.json")}
@@ -238,7 +239,7 @@ class Worker(ResumeState):
     def layout_changed(self) -> bool:
         f = Layout.path(self.paths)
         try:
-            return f.stat().st_mtime_ns != self._layout_seen
+            return sharedfs.stat(f).st_mtime_ns != self._layout_seen
         except OSError:
             return False
 
@@ -247,7 +248,7 @@ class Worker(ResumeState):
         segment boundary costs a stat, not a read that waits behind the deltas in flight on a busy link."""
         f = Layout.path(self.paths)
         try:
-            st = f.stat()
+            st = sharedfs.stat(f)
         except FileNotFoundError:
             return None
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
@@ -500,8 +501,9 @@ class Worker(ResumeState):
         the move and the sidecar leaves the delta in place, and the sidecar saved in state.json completes it)."""
         paths = self.paths
         pending = paths.worker_pending_delta(self.w, r)
-        moved = not pending.is_file()
-        if paths.delta_meta(r, self.w).is_file() or (moved and not paths.delta_file(r, self.w).is_file()) or \
+        moved = not sharedfs.is_file(pending)
+        if sharedfs.is_file(paths.delta_meta(r, self.w)) or \
+                (moved and not sharedfs.is_file(paths.delta_file(r, self.w))) or \
                 self.state.get("sidecar", {}).get("round") != r:
             return
         latest = paths.latest_committed()

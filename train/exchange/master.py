@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import threading
 from pathlib import Path
 
@@ -137,7 +136,7 @@ class OuterMaster:
     def _load_state(self, c: int) -> None:
         self.momentum, err = {}, {}
         f = self.paths.outer_state(c)
-        if c > 0 and f.is_file():
+        if c > 0 and sharedfs.is_file(f):
             for k, t in iter_tensors(f):
                 (err if k.startswith(RESIDUAL) else self.momentum)[k] = t.to(torch.float32)
         if self.residual is not None:
@@ -555,7 +554,7 @@ class OuterMaster:
 
     def discard_uncommitted(self, r: int) -> None:
         """Remove what a failed step of round r + 1 left (nothing of it is trusted without COMMITTED)."""
-        self.paths.update_file(r + 1).unlink(missing_ok=True)
-        self.paths.outer_state(r + 1).unlink(missing_ok=True)
-        shutil.rmtree(self.paths.global_dir(r + 1), ignore_errors=True)
+        sharedfs.unlink(self.paths.update_file(r + 1))
+        sharedfs.unlink(self.paths.outer_state(r + 1))
+        sharedfs.rmtree(self.paths.global_dir(r + 1))
 

@@ -113,7 +113,7 @@ def reduce_round(paths: DiLoCoPaths, r: int, workers: list[int], metas: dict[int
     except BaseException:
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-        paths.outer_state(r + 1).unlink(missing_ok=True)
+        sharedfs.unlink(paths.outer_state(r + 1))
         raise
     finally:
         for rd in [g_reader, *d_readers.values()] + ([m_reader] if m_reader else []):
@@ -162,13 +162,10 @@ def prune_rounds(paths: DiLoCoPaths, latest: int, keep: int, before_checkpoint: 
     floor = min(floor, max(checkpoints, default=0) - before_checkpoint)
     for r in paths.committed_rounds():
         if r < floor and r != 0:
-            d = paths.round_dir(r)
-            trash = d.with_name(f".{d.name}.deleting")
             try:
-                d.rename(trash)
-                shutil.rmtree(trash, ignore_errors=True)
+                sharedfs.rmtree(paths.round_dir(r))
             except OSError:
                 pass
         elif r == 0 and floor > 0:
             # θ_0 stays: workers build the architecture from its config; its deltas can go.
-            shutil.rmtree(paths.deltas_dir(0), ignore_errors=True)
+            sharedfs.rmtree(paths.deltas_dir(0))

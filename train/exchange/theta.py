@@ -79,7 +79,7 @@ def read_update_stored(paths: DiLoCoPaths, r: int, codec: Codec,
             codec.check_values(n, stored)
         except CodecError as e:
             raise ProtocolError(f"{f}: {e}") from None
-    return stored, f.stat().st_size
+    return stored, sharedfs.stat(f).st_size
 
 
 def own_lanes() -> int:
