@@ -124,6 +124,7 @@ def attach(url: str, *, check: bool = True) -> Path:
         store = _stores.get(os.fspath(root))
         if store is None:
             store = ObjectStore(url, bucket, prefix, root)
+            root.mkdir(parents=True, exist_ok=True)  # a fresh machine's mirror: the folders above it exist
             _stores[os.fspath(root)] = store
     if check:
         store.check()
@@ -169,6 +170,12 @@ def _no_expect_continue(request, **_) -> None:
     saves sending a body the server would refuse; our bodies are at most PART_BYTES."""
     if "Expect" in request.headers:
         del request.headers["Expect"]
+
+
+def where(path: str | os.PathLike) -> str:
+    """A path for a user's message: an object's s3:// URL with its local copy, or the path itself."""
+    store = store_for(path)
+    return f"{store.url_of(path)} (local copy: {path})" if store else os.fspath(path)
 
 
 def _client_error_code(e: BaseException) -> tuple[str, int]:
@@ -250,7 +257,9 @@ class ObjectStore:
         if name == "NoCredentialsError":
             return ConfigError(f"base_dir {self.url}: no S3 credentials found: set AWS_ACCESS_KEY_ID and "
                                f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE with ~/.aws/credentials)")
-        if isinstance(e, OSError):  # the local side (the mirror's disk), as it is
+        from train.core.errors import UserError
+
+        if isinstance(e, (OSError, UserError)):  # the local side (the mirror's disk), or said already: as it is
             return e
         # a connection refused or reset, a timeout, a 5xx, a throttle: the storage's passing state (retried)
         return OSError(errno.EIO, f"S3 {op} failed: {code or name} {str(e).splitlines()[0][:160]}", where)
@@ -278,6 +287,10 @@ class ObjectStore:
         except sharedfs.SharedDiskError:
             raise ConfigError(f"base_dir {self.url}: the S3 endpoint {_endpoint() or 'AWS S3'} does not answer: "
                               f"check AWS_ENDPOINT_URL and that the server is up") from None
+        except FileNotFoundError:  # HEAD has no body: a missing bucket is a bare 404
+            raise ConfigError(f"base_dir {self.url}: bucket {self.bucket!r} does not exist at "
+                              f"{_endpoint() or 'AWS S3'}: create it (aws s3 mb s3://{self.bucket}) or fix the "
+                              f"name") from None
         try:
             self.client.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")
             try:
@@ -572,8 +585,9 @@ class ObjectStore:
 
     def publish(self, src: str | os.PathLike, dst: str | os.PathLike, *, once: bool = False) -> bool:
         """`sharedfs.replace(src, dst)` on the store: upload the local temp `src` (a file, or a folder with
-        its MANIFEST.json last) as `dst`, then move it into the mirror as the copy of what was uploaded. `once` (a folder): its
-        MANIFEST.json is created only if absent: False when another attempt published the folder first."""
+        its MANIFEST.json last) as `dst`, then move it into the mirror as the copy of what was uploaded. `once`
+        (a folder): its MANIFEST.json is created only if absent: False when another attempt published the folder
+        first."""
         src, dst = Path(src), Path(dst)
         if src.is_dir():
             import shutil

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from train.core import sharedfs
+from train.core import objstore, sharedfs
 from train.core.background import OneSlot
 from train.config import RunConfig
 from train.core.errors import ProtocolError
@@ -714,7 +714,7 @@ class Coordinator:
             from train.core.plot import plot_losses
             plot_losses(read_jsonl(paths.metrics), paths.plot, title=f"{cfg.project_name}: DiLoCo")
         self.timeline.close()  # the final timeline.png
-        log.info("final model in %s", paths.final)
+        log.info("final model in %s", objstore.where(paths.final))
 
 
     def sample(self, model_dir, prompt: str = "\n", tokens: int = 40) -> str:

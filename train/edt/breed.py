@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from train.core import sharedfs
 from train.config import ConfigError, RunConfig
 from train.edt.protocol import publish_job
 from train.edt.store import EDTPaths, member_id
@@ -154,8 +154,8 @@ class PretrainBreeding:
 
         def fill(tmp: Path) -> str:
             for fname in ("config.json", "generation_config.json"):
-                if (a.dir / fname).is_file():
-                    shutil.copy2(a.dir / fname, tmp / fname)
+                if sharedfs.is_file(a.dir / fname):
+                    sharedfs.copy_file(a.dir / fname, tmp / fname)
             io = merge_files(spec, a.files(), b.files(), tmp / WEIGHTS, tmp / "outer_momentum.safetensors")
             if not io["finite"]:
                 log.warning("generation %d: child of %s x %s has non-finite weights", g, a.id, b.id)
@@ -196,7 +196,7 @@ def breed(cfg: RunConfig, paths: EDTPaths, g: int, pool: list[Member], positions
                                "eval_loss": p.result.get("eval_loss")} for p in (a, b)]}
         opt = a.dir / "optimizer.safetensors"
         job = job_record(cfg, g, slot, genome, positions[slot],
-                         paths.rel(opt) if ec.inherit_optimizer and opt.is_file() else None)
+                         paths.rel(opt) if ec.inherit_optimizer and sharedfs.is_file(opt) else None)
         job["steps"] = breeding.steps(g, elite)
         publish_job(paths, g, slot, breeding.fill(g, a, b, hyper, elite, stats), job)
         stats["pairs"][member_id(g, slot)] = [a.id, b.id]

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import socket
 import time
 import uuid
 
-from train.core import sharedfs
+from train.core import objstore, sharedfs
 from train.config import ConfigError, RunConfig
 from train.core.data import TokenData, prepare_data
 from train.core.errors import UserError
@@ -85,15 +84,16 @@ class EDTCoordinator:
                                       lease=coordinator_lease_path(paths.root))
         # its lease, from now until it exits (workers say so when it goes silent: train/core/coordinator_lease.py)
         self.lease = CoordinatorLease(paths.root).start("preparing")
-        if paths.run_json.is_file() and read_json(paths.run_json).get("identity", {}).get("strategy") != "edt":
+        if sharedfs.is_file(paths.run_json) and \
+                read_json(paths.run_json).get("identity", {}).get("strategy") != "edt":
             raise ProtocolError(f"{paths.root} holds a DiLoCo run: give the EDT run another project_name")
         ensure_run_manifest(paths, run_identity(cfg))
         atomic_write_json(paths.config_json, cfg.to_dict())
         latest = paths.latest_generation()
         mode_of(cfg).setup(self, latest)
-        done = read_json(paths.done) if paths.done.is_file() else None
+        done = read_json(paths.done) if sharedfs.is_file(paths.done) else None
         if done and done.get("generations", 0) < self.G:
-            paths.done.unlink()  # asked for more generations: the workers must stay
+            sharedfs.unlink(paths.done)  # asked for more generations: the workers must stay
         if latest is None:
             write_initial_population(cfg, paths, mode_of(cfg).breeding(cfg))
             write_committed(paths, 0, {"population": self.P, "bytes_read": 0, "bytes_written": 0})
@@ -165,7 +165,10 @@ class EDTCoordinator:
 
     def _running_steps(self, g: int, done: set[int]) -> int:
         total = 0
-        for p in self.paths.root.glob("workers/w*/progress.json"):
+        for name in sharedfs.names(self.paths.root / "workers"):
+            p = self.paths.root / "workers" / name / "progress.json"
+            if not name.startswith("w"):
+                continue
             try:
                 hb = read_json(p)
             except (OSError, ValueError):
@@ -259,7 +262,7 @@ class EDTCoordinator:
                     "bytes_written": nbytes, "time": time.time()}, None
         _, published = publish_member(paths, g, m, attempt, fill)
         if read_claim(paths, g, m) is not None:
-            paths.claim(g, m).unlink(missing_ok=True)
+            sharedfs.unlink(paths.claim(g, m))
         self._refill_wait.discard((g, m))
         if published:
             log.warning("generation %d: slot m%03d refilled by selection: a copy of %s (fitness %.4g); reason: %s",
@@ -353,7 +356,7 @@ class EDTCoordinator:
     def pool(self, g: int, members: list[Member]) -> list[Member]:
         """Selection pool for generation g+1: the members of g and of g−1 (the prototype's rule)."""
         prev = [self.load_member(g - 1, m) for m in range(self.P_of(g - 1))] if g > 0 else []
-        return members + [p for p in prev if p.dir.is_dir()]
+        return members + [p for p in prev if sharedfs.exists(p.dir / MANIFEST)]
 
     def make_generation(self, g: int, members: list[Member]) -> None:
         self.lease.set("breeding", generation=g)
@@ -378,28 +381,26 @@ class EDTCoordinator:
         keep = self.cfg.edt.keep_generations
         for d in self.paths.committed_generations():
             ev = self.paths.gen_dir(d) / "EVALUATED.json"
-            if d > g - keep or not ev.is_file() or (self.paths.gen_dir(d) / "PRUNED").is_file():
+            if d > g - keep or not sharedfs.is_file(ev) or sharedfs.is_file(self.paths.gen_dir(d) / "PRUNED"):
                 continue
             best = read_json(ev)["best"]
-            victims = [self.paths.jobs_dir(d)] + [p for p in self.paths.members_dir(d).iterdir()
-                                                  if p.name != f"m{best:03d}"]
+            victims = [self.paths.jobs_dir(d)] + [self.paths.members_dir(d) / name for name in
+                                                  sharedfs.names(self.paths.members_dir(d)) if name != f"m{best:03d}"]
             for v in victims:
-                trash = v.with_name(f".{v.name}.deleting")
                 try:
-                    v.rename(trash)
+                    sharedfs.rmtree(v)
                 except OSError:
                     continue
-                shutil.rmtree(trash, ignore_errors=True)
             self._drop_optimizer(self.paths.member_dir(d, best))
             mark_pruned(self.paths, d, member_id(d, best))
 
     @staticmethod
     def _drop_optimizer(member_dir) -> None:
         opt = member_dir / "optimizer.safetensors"
-        if not opt.is_file():
+        if not sharedfs.is_file(opt):
             return
         old = read_json(member_dir / MANIFEST)["files"]
-        opt.unlink()
+        sharedfs.unlink(opt)
         write_manifest(member_dir, hashes={k: v["sha256"] for k, v in old.items()})
 
     # -- the whole run --------------------------------------------------------------------------------------------
@@ -471,7 +472,8 @@ class EDTCoordinator:
         publish_dir(paths.final, fill)
         mode_of(self.cfg).finish(self, best.id)
         write_done(paths, g + 1, best.id)
-        log.info("final model (%s, eval loss %s) in %s", best.id, _fmt(best.result.get("eval_loss")), paths.final)
+        log.info("final model (%s, eval loss %s) in %s", best.id, _fmt(best.result.get("eval_loss")),
+                 objstore.where(paths.final))
 
 
     def write_report(self, final_id: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from train.core import sharedfs
 from train.core.plot import save_figure
 from train.edt.store import EDTPaths, parse_member_id
 from train.core.store import read_json, read_jsonl
@@ -37,8 +38,8 @@ def load_population(run_dir: str | Path, generation: int | None = None) -> list[
     for rec in (r for r in lineage if r["generation"] == generation):
         mdir = paths.member_dir(generation, rec["member"])
         res = paths.result(generation, rec["member"])
-        out.append({**rec, "model_dir": str(mdir) if (mdir / "model.safetensors").is_file() else None,
-                    "result": read_json(res) if res.is_file() else None})
+        out.append({**rec, "model_dir": str(mdir) if sharedfs.is_file(mdir / "model.safetensors") else None,
+                    "result": read_json(res) if sharedfs.is_file(res) else None})
     return out
 
 

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from train.core import sharedfs
 from train.config import RunConfig
 from train.core.data import ShardSampler, TokenData, find_data
 from train.edt.store import EDTPaths
@@ -60,7 +61,7 @@ class PretrainMutation:
         if job.get("optimizer_from"):
             opt = paths.root / job["optimizer_from"]
             trainer.load_state(opt, {})
-            bytes_read += opt.stat().st_size
+            bytes_read += sharedfs.stat(opt).st_size
         trainer.step = int(job["schedule_step"])
         pos = job["position"]
         sampler = MixSampler(self.data, m, int(job["population"]), cfg.seed, int(pos["own"]), int(pos["mix"]),

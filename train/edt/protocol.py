@@ -9,7 +9,6 @@ by one rename (create-once: the first attempt wins, `publish_once`); a job's by 
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -30,18 +29,8 @@ from train.edt.store import EDTPaths
 def create_claim(paths: EDTPaths, g: int, m: int, record: dict) -> bool:
     """Create job (g, m)'s claim holding `record` (+ pid, host, time): O_CREAT|O_EXCL, so of any number of
     processes exactly one succeeds (True)."""
-    try:
-        fd = sharedfs.retry("claim", paths.claim(g, m),
-                            lambda: os.open(paths.claim(g, m), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        return False
     data = json.dumps({**record, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}).encode()
-    try:
-        sharedfs.pwrite(fd, data, 0, paths.claim(g, m))
-        sharedfs.fsync(fd, paths.claim(g, m))
-    finally:
-        os.close(fd)
-    return True
+    return sharedfs.create_new(paths.claim(g, m), data)
 
 
 def try_claim(paths: EDTPaths, g: int, m: int, worker: int) -> str | None:
@@ -80,7 +69,7 @@ def renew_lease(paths: EDTPaths, g: int, m: int, attempt: str) -> bool:
     if not holds_claim(paths, g, m, attempt):
         return False
     try:
-        sharedfs.retry("touch", paths.claim(g, m), lambda: os.utime(paths.claim(g, m)))
+        sharedfs.touch(paths.claim(g, m))
     except FileNotFoundError:
         return False
     return True
@@ -108,11 +97,14 @@ def requeue(paths: EDTPaths, g: int, m: int, why: str) -> int:
 
 
 def stale_count(paths: EDTPaths, g: int, m: int) -> int:
-    return len(list(paths.jobs_dir(g).glob(f"m{m:03d}.stale-*")))
+    return sum(name.startswith(f"m{m:03d}.stale-") for name in sharedfs.names(paths.jobs_dir(g)))
 
 
 def server_now(paths: EDTPaths, g: int) -> float:
-    """The shared disk's clock: touch a file there and read its mtime, so lease ages never mix two hosts' clocks."""
+    """The shared disk's clock: touch a file there and read its mtime, so lease ages never mix two hosts' clocks (an
+    object store: the Date of its answer)."""
+    if (now := sharedfs.server_now(paths.jobs_dir(g))) is not None:
+        return now
     clock = paths.jobs_dir(g) / ".clock"
     sharedfs.retry("touch", clock, lambda: (clock.touch(), os.utime(clock)))
     return sharedfs.stat(clock).st_mtime
@@ -120,7 +112,7 @@ def server_now(paths: EDTPaths, g: int) -> float:
 
 def lease_age(paths: EDTPaths, g: int, m: int, now: float) -> float | None:
     try:
-        return now - paths.claim(g, m).stat().st_mtime
+        return now - sharedfs.stat(paths.claim(g, m)).st_mtime
     except FileNotFoundError:
         return None
 
@@ -128,23 +120,17 @@ def lease_age(paths: EDTPaths, g: int, m: int, now: float) -> float | None:
 # -- publishing a member (create-once) -------------------------------------------------------------------------------
 def publish_once(tmp_dir: Path, final_dir: Path) -> bool:
     """rename(tmp_dir, final_dir) when final_dir does not exist yet: True when we published, False when another
-    attempt was first (then our temp dir is left for the caller to delete). Atomic on POSIX and NFS."""
+    attempt was first (then our temp dir is left for the caller to delete). Atomic on POSIX and NFS; on an object
+    store the MANIFEST.json, uploaded last, is created only if absent (sharedfs.publish_once)."""
     fsync_dir(tmp_dir)
     sharedfs.makedirs(final_dir.parent)
     if sharedfs.exists(final_dir):
         return False
-    try:  # onto a non-empty directory this fails: the first attempt wins
-        sharedfs.retry("rename", final_dir, lambda: os.rename(tmp_dir, final_dir))
-    except FileNotFoundError:
-        if sharedfs.exists(tmp_dir):
-            raise
-        return sharedfs.exists(final_dir)  # a retried rename whose first attempt landed (NFS): ours
-    except OSError as e:
-        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            return False
-        raise
-    fsync_dir(final_dir.parent)
-    return True
+    published = sharedfs.publish_once(tmp_dir, final_dir)  # onto a folder that exists this fails: the first wins
+    if published:
+        sharedfs.remember_dir(final_dir)
+        fsync_dir(final_dir.parent)
+    return published
 
 
 def tmp_member_dir(paths: EDTPaths, g: int, m: int, attempt: str) -> Path:

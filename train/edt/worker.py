@@ -163,8 +163,10 @@ class EDTWorker:
 
     def release_predecessor_claims(self, g: int) -> None:
         """Claims that name our worker id but another process: our predecessor died holding them."""
-        for claim in self.paths.jobs_dir(g).glob("m*.claim"):
-            m = int(claim.name[1:].split(".")[0])
+        for name in sharedfs.names(self.paths.jobs_dir(g)):
+            if not (name.startswith("m") and name.endswith(".claim")):
+                continue
+            m = int(name[1:].split(".")[0])
             c = read_claim(self.paths, g, m)
             if c and c.get("worker") == self.w and (c.get("pid"), c.get("host")) != (os.getpid(),
                                                                                      socket.gethostname()):
@@ -208,7 +210,8 @@ class EDTWorker:
         job_dir = paths.job_dir(g, m)
         if self.model is None:
             from transformers import AutoConfig, AutoModelForCausalLM
-            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(job_dir)),
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+                str(sharedfs.local_copy(job_dir / "config.json").parent)),
                                                           dtype=torch.float32)
         load_weights_into(self.model, job_dir)
         steps = int(job["steps"])

@@ -69,9 +69,32 @@ def preflight(cfg: RunConfig, strategy: str = "diloco") -> None:
         from train.core.model import pick_device
         pick_device(cfg.inner.device)
     check_metric_logger(cfg.logging.metrics)
+    check_run_kind(cfg, strategy)
     if strategy == "edt":
         from train.edt.genes import fitness_function
         fitness_function(cfg.edt.fitness)
+
+
+def check_run_kind(cfg: RunConfig, strategy: str) -> None:
+    """A run folder that holds a run of another strategy is refused before anything starts (its workers would
+    write their heartbeats into it first). On an s3:// BASE_DIR this is also where the bucket is first reached
+    (its name, the credentials, the endpoint: one line each)."""
+    from train.core import objstore, sharedfs
+    from train.core.errors import ConfigError
+    from train.core.store import read_json
+
+    run_dir = cfg.run_dir
+    if (store := objstore.store_for(run_dir)) is not None:
+        store.check()
+    if strategy not in ("diloco", "edt") or not sharedfs.exists(run_dir / "run.json"):
+        return
+    ident = read_json(run_dir / "run.json").get("identity") or {}
+    kind = ident.get("strategy") or ("diloco_optimizer" if ident.get("kind") else "diloco")
+    if kind != strategy:
+        names = {"diloco": "a DiLoCo run (diloco.py)", "edt": "an EDT run (edt.py)",
+                 "diloco_optimizer": "a DiLoCoOptimizer run"}
+        raise ConfigError(f"{objstore.url_of(run_dir)} holds {names.get(kind, kind)}, not {names[strategy]}: give "
+                          f"this run another project_name (or --base-dir)")
 
 
 def load_from_args(args: argparse.Namespace, strategy: str = "diloco") -> tuple[RunConfig, list[str]]:

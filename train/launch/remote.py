@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from train.config import load_config
-from train.core import sharedfs
+from train.core import objstore, sharedfs
 from train.core.errors import UserError
 from train.core.coordinator_lease import coordinator_lease_path
 from train.core.store import atomic_write_json, read_json, read_jsonl, sha256_file
@@ -397,20 +397,24 @@ def cmd_preflight(a, paths: DiLoCoPaths, cfg) -> int:
         info["cuda_devices"] = torch.cuda.device_count()
     base = paths.root.parent
     token = a.write_token or a.read_token or a.remove_token
-    tfile = base / f".edt-preflight-{token}.json"
+    store = objstore.store_for(base)
+    # an object store: the token is an object (a dot name would stay in this machine's mirror)
+    tfile = base / (f"edt-preflight-{token}.json" if store else f".edt-preflight-{token}.json")
     try:
+        if store is not None:
+            store.check()  # the bucket answers, takes this machine's credentials and conditional writes
         if a.write_token:
             atomic_write_json(tfile, {"token": token, "hostname": socket.gethostname()})
             info["token"] = "written"
         elif a.read_token:
-            got = read_json(tfile) if tfile.is_file() else {}
+            got = read_json(tfile) if sharedfs.is_file(tfile) else {}
             info["token"] = "seen" if got.get("token") == token else "missing"
         elif a.remove_token:
-            tfile.unlink(missing_ok=True)
+            sharedfs.unlink(tfile)
             info["token"] = "removed"
-    except OSError as e:
+    except (OSError, UserError) as e:
         info["token"] = f"error: {e}"
-    info["base_dir"] = str(base)
+    info["base_dir"] = objstore.url_of(base)
     return answer(info)
 
 

@@ -31,15 +31,16 @@ def sim_main(strategy: str, doc: str) -> int:
         slow = parse_slow(args.slow, cfg.outer.num_workers)
     preflight(cfg, strategy)
     log = logging.getLogger(f"{strategy}_sim")
+    from train.core.objstore import where
     # the run's one-line summary is the coordinator's first line (printed here with its log): this process only
     # starts and watches the others, and imports neither torch nor transformers (a second or two of CPU per run)
     rec, paths = run_local(strat, cfg, cfg.source if cfg.source != "<defaults>" else args.config, overrides,
                            args.threads, args.max_restarts, slow=slow)
     if strategy == "edt":
         log.info("done: best eval loss %s in generation %s; final model: %s; plots: %s, %s, %s",
-                 rec.get("best_eval_loss"), rec.get("generation"), paths.final, paths.root / "lineage.png",
+                 rec.get("best_eval_loss"), rec.get("generation"), where(paths.final), paths.root / "lineage.png",
                  paths.root / "fitness.png", paths.root / "timeline.png")
     else:
         log.info("done: eval loss %s after %s rounds; final model: %s; plots: %s, %s", rec.get("eval_loss"),
-                 rec.get("round"), paths.final, paths.plot, paths.root / "timeline.png")
+                 rec.get("round"), where(paths.final), paths.plot, paths.root / "timeline.png")
     return 0

@@ -34,6 +34,7 @@ from typing import Mapping
 import torch
 from safetensors import safe_open
 
+from train.core import sharedfs
 from train.exchange.outer import outer_step_tensor
 from train.core.tensorio import SequentialReader, StreamingWriter
 
@@ -187,7 +188,7 @@ class _Tensors:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._f = safe_open(str(self.path), framework="pt")
+        self._f = safe_open(str(sharedfs.local_copy(self.path)), framework="pt")  # an object store: downloaded
         self.names = set(self._f.keys())
         self.bytes_read = 0
 
@@ -210,7 +211,7 @@ def merge_files(spec: MergeSpec, a: ParentFiles, b: ParentFiles, out_weights: Pa
     opened: dict[Path, _Tensors] = {}
 
     def reader(path: Path | None) -> _Tensors | None:  # one reader per distinct file (an elite is both parents)
-        if path is None or not Path(path).is_file():
+        if path is None or not sharedfs.is_file(path):
             return None
         return opened.setdefault(Path(path), _Tensors(Path(path)))
 

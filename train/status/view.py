@@ -101,7 +101,9 @@ def restarts_of(paths: DiLoCoPaths, w: int) -> int:
 
 
 def gather(root: str | Path, now: float | None = None, live: Liveness | None = None) -> dict:
-    root = Path(root)
+    from train.core.store import base_path
+
+    root = base_path(root)  # an s3:// URL: its local mirror (train/core/objstore.py)
     paths = check_run(root)
     now = time.time() if now is None else now
     mono = time.monotonic()

