@@ -303,7 +303,7 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int, progress: bool = Tr
         try:
             sharedfs.retry("build the token cache in", out,
                            lambda: build_token_cache(cfg, tokenizer, vocab_size, out, progress=progress),
-                           transient=sharedfs.is_transient_any)
+                           transient=sharedfs.is_transient_any, watch=False)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001  (only a disk error is turned into a user error; the rest re-raised)

@@ -52,6 +52,7 @@ T = TypeVar("T")
 TRANSIENT = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.ENOLCK})
 RETRY_S = 120.0  # outer.io_retry_s: how long one call keeps retrying before the process gives up (exit 2)
 BACKOFF_S, BACKOFF_CAP_S = 0.05, 2.0
+RETRY_SAY_EVERY_S = 30.0  # while one call keeps failing: a line this often (start and end have theirs)
 _retry_s = RETRY_S
 _episodes = 0  # retry episodes so far in this process (recovered or not): for logs, metrics and tests
 
@@ -179,17 +180,18 @@ def is_transient_any(e: BaseException) -> bool:
 
 
 def retry(op: str, path: str | os.PathLike, fn: Callable[[], T], *, budget: float | None = None,
-          transient: Callable[[BaseException], bool] = is_transient) -> T:
+          transient: Callable[[BaseException], bool] = is_transient, watch: bool = True) -> T:
     """`fn()`, again after a transient error (see TRANSIENT) with backoff, for up to `budget` seconds
     (outer.io_retry_s); then SharedDiskError naming `op` and `path`. A full disk (DISK_FULL, also wrapped by a
     library) is waited out apart from that budget, for up to outer.disk_full_wait_s (module docstring); then
-    DiskFull. Other errors pass through at once."""
+    DiskFull. Other errors pass through at once. A call that hangs is said while it hangs (`_watched`; `watch`
+    False for a `fn` that also computes, whose time is not the storage's)."""
     global _episodes
     budget = _retry_s if budget is None else budget
-    start, delay, tries, full = None, BACKOFF_S, 0, False
+    start, delay, tries, full, said = None, BACKOFF_S, 0, False, 0.0
     while True:
         try:
-            out = fn()
+            out = _watched(op, path, fn) if watch else fn()  # watch=False: fn computes too (a model, a cache)
         except Exception as e:
             if is_disk_full(e):
                 full = True
@@ -200,9 +202,13 @@ def retry(op: str, path: str | os.PathLike, fn: Callable[[], T], *, budget: floa
             tries += 1
             now = time.monotonic()
             if start is None:
-                start = now
+                start = said = now
                 _episodes += 1
                 log.warning("shared disk: %s %s failed (%s); retrying for up to %.0f s", op, path, _why(e), budget)
+            elif now - said >= RETRY_SAY_EVERY_S:  # a long outage (a hung mount, a stopped server): a line a while
+                said = now
+                log.warning("shared disk: %s %s still failing after %.0f s (%s); retrying for up to %.0f s", op, path,
+                            now - start, _why(e), budget)
             if now - start >= budget:
                 raise SharedDiskError(
                     getattr(e, "errno", None) or errno.EIO,
@@ -218,6 +224,46 @@ def retry(op: str, path: str | os.PathLike, fn: Callable[[], T], *, budget: floa
         if full:
             _disk_full_over(op, path)
         return out
+
+
+# -- calls that hang: a hard NFS mount whose server is gone, a FUSE daemon stopped, an S3 request with no answer --
+HUNG_SAY_AFTER_S = 30.0  # a call in flight this long gets a line (again each HUNG_SAY_AFTER_S), one when it returns
+_inflight: dict[int, list] = {}  # id -> [op, path, start, said]
+_inflight_lock = threading.Lock()
+_watchdog: list[threading.Thread] = []
+
+
+def _watched(op: str, path, fn: Callable[[], T]) -> T:
+    """`fn()`, watched by a daemon thread that logs it while it hangs (see HUNG_SAY_AFTER_S)."""
+    token = object()
+    entry = [op, path, time.monotonic(), 0.0]
+    with _inflight_lock:
+        _inflight[id(token)] = entry
+        if not _watchdog:
+            t = threading.Thread(target=_watch, name="sharedfs-watchdog", daemon=True)
+            _watchdog.append(t)
+            t.start()
+    try:
+        return fn()
+    finally:
+        with _inflight_lock:
+            _inflight.pop(id(token), None)
+        if entry[3]:
+            log.warning("shared disk: %s %s returned after %.0f s", op, path, time.monotonic() - entry[2])
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(min(5.0, HUNG_SAY_AFTER_S / 2))
+        now = time.monotonic()
+        with _inflight_lock:
+            late = [e for e in _inflight.values()
+                    if now - e[2] >= HUNG_SAY_AFTER_S and now - e[3] >= HUNG_SAY_AFTER_S]
+            for e in late:
+                e[3] = now
+        for op, path, start, _ in late:
+            log.warning("shared disk: %s %s has been waiting %.0f s for the storage (a hung mount or a server "
+                        "that does not answer?); still waiting", op, path, now - start)
 
 
 def _why(e: BaseException) -> str:

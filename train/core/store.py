@@ -261,7 +261,7 @@ def publish_dir(final_dir: Path, fill: Callable[[Path], Any]) -> Any:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return sharedfs.retry("write folder", final_dir, once, transient=sharedfs.is_transient_any)
+    return sharedfs.retry("write folder", final_dir, once, transient=sharedfs.is_transient_any, watch=False)
 
 
 # -- the run's paths ------------------------------------------------------------------------------------------------
