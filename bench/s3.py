@@ -60,7 +60,7 @@ from common import REPO, save_result, table
 BUCKET = "edt-runs"
 PROJECT = "b"
 CODECS = ("none", "int8", "topk")
-STORAGES = ("plain", "s3", "s3-cap")
+STORAGES = ("plain", "s3", "s3-cap")  # s3-direct (--storages): the gateway without a proxy (no requests counted)
 WORKERS = 2
 CHUNK = 64 << 10
 BURST_S = 0.02  # a link's token bucket holds this many seconds of its rate
@@ -258,11 +258,13 @@ class Storage:
         """One machine's environment: its own mirror and its own link (a new proxy)."""
         if self.name == "plain":
             return {}
+        mirror = str(self.tmp / "mirrors" / row / machine)
+        if self.name == "s3-direct":
+            return {**self.sw.s3_env(), "EDT_S3_CACHE": mirror}
         port = self.sw.ports["s3"][0]
         proxy = RateProxy(("127.0.0.1", port), self.rate)
         self.proxies.append(proxy)
-        return {**self.sw.s3_env(), "AWS_ENDPOINT_URL": proxy.url,
-                "EDT_S3_CACHE": str(self.tmp / "mirrors" / row / machine)}
+        return {**self.sw.s3_env(), "AWS_ENDPOINT_URL": proxy.url, "EDT_S3_CACHE": mirror}
 
     def read(self, row: str, name: str) -> bytes:
         if self.name == "plain":
@@ -272,6 +274,19 @@ class Storage:
     def close(self) -> None:
         for p in self.proxies:
             p.close()
+
+
+def warm_up(sw) -> None:
+    """The gateway's first writes to a fresh bucket grow its volumes (seconds): done before anything is timed."""
+    c = sw.s3_client()
+    for i in range(40):
+        c.put_object(Bucket=BUCKET, Key=f"warmup/{i}", Body=os.urandom(1000))
+        c.get_object(Bucket=BUCKET, Key=f"warmup/{i}")["Body"].read()
+    c.put_object(Bucket=BUCKET, Key="warmup/big", Body=os.urandom(24 << 20))
+    c.get_object(Bucket=BUCKET, Key="warmup/big")["Body"].read()
+    for i in range(40):
+        c.delete_object(Bucket=BUCKET, Key=f"warmup/{i}")
+    c.delete_object(Bucket=BUCKET, Key="warmup/big")
 
 
 # -- micro rows: real runs ---------------------------------------------------------------------------------------------
@@ -341,8 +356,16 @@ def micro_run(st: Storage, codec: str, args, tmp: Path) -> dict:
            "coord_written": statistics.median(r["bytes_written"] for r in steady),
            "workers_read": statistics.median(r["worker_bytes_read"] for r in steady),
            "workers_written": statistics.median(r["worker_bytes_written"] for r in steady)}
+    # where a round's time goes (timeline.jsonl: per delta its worker's times; `closed` after the commit)
+    tl = [json.loads(x) for x in st.read(row, "timeline.jsonl").decode().splitlines() if x.strip()]
+    tl = [t for t in tl if t.get("round", 0) >= 1 and t.get("deltas")]
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    out["train_s"] = med([d["train_seconds"] for t in tl for d in t["deltas"]])
+    out["load_s"] = med([d["load_seconds"] for t in tl for d in t["deltas"] if d.get("load_seconds") is not None])
+    out["publish_s"] = med([d["time"] - d["trained_at"] for t in tl for d in t["deltas"] if "trained_at" in d])
+    out["tail_s"] = med([t["closed"] - max(d["time"] for d in t["deltas"]) for t in tl])
     out["file_bytes"] = out["coord_read"] + out["coord_written"] + out["workers_read"] + out["workers_written"]
-    if st.name != "plain":
+    if st.name in ("s3", "s3-cap"):
         t_a, t_b = recs[1]["time"], recs[-1]["time"]
         n = len(recs) - 2
         win = merge_windows([p.window(t_a, t_b) for p in st.proxies[first:]])
@@ -496,7 +519,7 @@ def round_files(st: Storage, codec: str, files: dict, rnd: int, tmp: Path) -> di
     if p.returncode != 0:
         raise SystemExit(f"s3: 135M round files on {st.name}/{codec} failed:\n{p.stderr[-3000:]}")
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    if st.name != "plain":
+    if st.name in ("s3", "s3-cap"):
         win = merge_windows([px.window(t_a, t_b) for px in st.proxies[first:]])
         out["requests"] = win["requests"]
         out["wire_bytes"] = win["up"] + win["down"]
@@ -527,6 +550,8 @@ def main() -> int:
     ap.add_argument("--poll-s", type=float, default=None,
                     help="outer.poll_interval_s of the micro runs (default: the product's, 0.2 s)")
     ap.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS)
+    ap.add_argument("--storages", nargs="+", default=list(STORAGES), choices=[*STORAGES, "s3-direct"],
+                    help="plain is always measured (the baseline)")
     ap.add_argument("--cap-mbs", type=float, default=100.0, help="the capped link's rate, MB/s each direction")
     ap.add_argument("--launcher", choices=["machines", "sim"], default="machines",
                     help="machines: coordinator and workers started apart, each its own mirror and link (default); "
@@ -544,6 +569,7 @@ def main() -> int:
     if args.rounds < 3:
         raise SystemExit("s3: --rounds must be >= 3 (round 1 holds the start; the gaps after it are measured)")
     big = (not args.quick) if args.big is None else args.big
+    names = ["plain"] + [s for s in args.storages if s != "plain"]
     from tests.helpers.seaweed import seaweedfs, weed_binary
 
     if weed_binary() is None:
@@ -555,10 +581,11 @@ def main() -> int:
         tmp = Path(tmpname)
         with seaweedfs(tmp / "seaweed", s3=True) as sw:
             sw.make_bucket(BUCKET)
-            storages = {name: Storage(name, tmp, sw, args.cap_mbs) for name in STORAGES}
+            warm_up(sw)
+            storages = {name: Storage(name, tmp, sw, args.cap_mbs) for name in names}
             try:
                 for codec in args.codecs:  # storages interleaved per codec: a busy spell hits every storage alike
-                    for name in STORAGES:
+                    for name in names:
                         r = micro_run(storages[name], codec, args, tmp)
                         micro.append(r)
                         print(f"micro {name:6s} {codec:4s}: round {r['round_s']:.3f} s (median of {len(r['gaps'])}), "
@@ -571,11 +598,11 @@ def main() -> int:
                     for codec in args.codecs:
                         cell: dict[str, list[dict]] = {}
                         for rep in range(args.repeats):
-                            for name in STORAGES:
+                            for name in names:
                                 rnd += 1
                                 cell.setdefault(name, []).append(round_files(storages[name], codec, files[codec],
                                                                              rnd, tmp))
-                        for name in STORAGES:
+                        for name in names:
                             best = min(cell[name], key=lambda x: x["total"])
                             bigrows.append({"storage": name, "codec": codec, "sizes": sizes[codec], **best,
                                             "all_totals": [x["total"] for x in cell[name]]})
@@ -592,16 +619,19 @@ def main() -> int:
         base = by[("plain", r["codec"])]["round_s"]
         kinds = r.get("kinds") or {}
         rows.append([r["codec"], r["storage"], f"{r['round_s']:.3f}", f"x{r['round_s'] / base:.2f}",
+                     f"{r['train_s']:.3f}", f"{r['publish_s']:.3f}", f"{r['tail_s']:.3f}", f"{r['load_s']:.3f}",
                      mb(r["file_bytes"]), mb(r["wire_bytes"]) if "wire_bytes" in r else "-",
                      f"{r['requests']:.0f}" if "requests" in r else "-",
                      " ".join(f"{k} {v:.0f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])) or "-"])
     print(f"\nmicro Llama, {WORKERS} workers, H = {args.local_steps}, {args.rounds} rounds ({args.launcher}); "
           f"per round after round 1:")
-    print(table(rows, ["codec", "storage", "round s", "vs plain", "file MB", "wire MB", "requests",
+    print(table(rows, ["codec", "storage", "round s", "vs plain", "train", "publish", "tail", "load", "file MB", "wire MB", "requests",
                        "requests by kind"]))
-    ratio = {s: gmean([by[(s, c)]["round_s"] / by[("plain", c)]["round_s"] for c in args.codecs]) for s in STORAGES}
-    last = (f"s3: round time vs plain disk x{ratio['s3']:.2f} (capped {args.cap_mbs:g} MB/s: "
-            f"x{ratio['s3-cap']:.2f}), micro")
+    ratio = {s: gmean([by[(s, c)]["round_s"] / by[("plain", c)]["round_s"] for c in args.codecs]) for s in names}
+    said = {"s3": "", "s3-cap": f"capped {args.cap_mbs:g} MB/s: ", "s3-direct": "without the proxy: "}
+    extra = [f"{said[s]}x{ratio[s]:.2f}" for s in names if s not in ("plain", "s3")]
+    last = (f"s3: round time vs plain disk x{ratio.get('s3', float('nan')):.2f}"
+            + (f" ({', '.join(extra)})" if extra else "") + ", micro")
     if bigrows:
         bb = {(r["storage"], r["codec"]): r for r in bigrows}
         rows = []
@@ -617,8 +647,8 @@ def main() -> int:
                            "publish global", "workers read", "total", "vs plain", "requests"]))
         parts = []
         for c in args.codecs:
-            s, cap, p = bb[("s3", c)]["total"], bb[("s3-cap", c)]["total"], bb[("plain", c)]["total"]
-            parts.append(f"{c} {s:.1f} s / capped {cap:.1f} s (plain {p:.1f} s)")
+            got = " / ".join(f"{said[s].replace(': ', ' ')}{bb[(s, c)]['total']:.1f} s" for s in names if s != "plain")
+            parts.append(f"{c} {got} (plain {bb[('plain', c)]['total']:.1f} s)")
         last += "; 135M round files: " + ", ".join(parts)
     save_result("s3", {"args": vars(args), "elapsed_s": elapsed, "micro": micro, "big": bigrows})
     print(f"\n({elapsed:.0f} s in all)")

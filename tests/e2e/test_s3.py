@@ -190,6 +190,21 @@ def test_s3_diloco_gives_the_plain_disk_model(s3_ok, plain, sw, tmp_path, codec)
     assert not [k for k in keys if "/." in k or k.startswith(".")], "a temp name was uploaded"
     # pruning deletes objects: only the kept rounds (outer.keep_rounds) and round 0 are in the bucket
     assert f"runs/{PROJECT}/metrics.jsonl" in keys and f"runs/{PROJECT}/final/MANIFEST.json" in keys
+    if codec != "none":
+        return
+    # from a machine that took no part (a fresh mirror): the status view, and the launcher's preflight token
+    env = dict(os.environ, **sw.s3_env(), EDT_S3_CACHE=str(tmp_path / "machines" / "laptop"))
+    st = subprocess.run([sys.executable, "-m", "train.status", f"s3://{BUCKET}/runs/{PROJECT}"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert st.returncode == 0 and f"s3://{BUCKET}/runs/{PROJECT}" in st.stdout, st.stdout + st.stderr
+    assert f"round {ROUNDS}/{ROUNDS} committed, finished" in st.stdout, st.stdout
+    for flag, want in (("--write-token", "written"), ("--read-token", "seen"), ("--remove-token", "removed")):
+        env["EDT_S3_CACHE"] = str(tmp_path / "machines" / flag)  # each call another machine
+        pre = subprocess.run([sys.executable, "-m", "train.launch.remote", "preflight", "--config", str(cfg),
+                              "--set", f"base_dir=s3://{BUCKET}/runs", "--set", f"project_name={PROJECT}", flag, "t1"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert f'"token": "{want}"' in pre.stdout, pre.stdout + pre.stderr
+    assert not [k for k in _keys(sw) if "preflight" in k], "the preflight token stayed in the bucket"
 
 
 def test_s3_edt_gives_the_plain_disk_model(s3_ok, plain, sw, tmp_path):

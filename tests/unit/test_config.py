@@ -359,6 +359,7 @@ def test_object_entries(tmp_path):
     ([{"host": "a", "gpus": 0}], "entry 0: gpus = 0: must be >= 1"),
     ([{"host": "a", "env": {"1BAD": "x"}}], "entry 0: env['1BAD']: names must be"),
     ([{"host": "a", "env": {"OK": 1}}], "entry 0: env['OK']: names must be"),
+    ([{"host": "a", "env": {"AWS_SECRET_ACCESS_KEY": "s"}}], "env['AWS_SECRET_ACCESS_KEY']: no secrets in"),
     (["gpu1", "gpu2", "gpu1"], "duplicate machine 'gpu1'"),
     ([{"host": "gpu1", "port": 22}, "gpu1"], "duplicate machine 'gpu1'"),
     ([5], "entry 0 = 5: must be a host string or an object"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import json
 import os
 
@@ -242,3 +243,40 @@ def test_start_writeback_starts_the_disk_or_falls_back_to_fdatasync(tmp_path, mo
     finally:
         os.close(fd)
     assert path.read_bytes() == b"x" * 100_000
+
+
+def test_a_call_that_hangs_is_said_while_it_hangs_and_when_it_returns(monkeypatch, caplog):
+    """A call blocked in the storage (a hung mount, a server that does not answer) gets a line while it waits, not
+    only when it fails: the watchdog thread says it, and the call says when it returned."""
+    import threading
+
+    monkeypatch.setattr(sharedfs, "HUNG_SAY_AFTER_S", 0.2)
+    release = threading.Event()
+    said = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "has been waiting" in record.getMessage():
+                said.set()
+    seen = Seen()
+    logging.getLogger("sharedfs").addHandler(seen)
+    caplog.set_level(logging.WARNING, "sharedfs")
+    try:
+        t = threading.Thread(target=lambda: sharedfs.retry("read", "/nfs/run/x", lambda: release.wait(60)))
+        t.start()
+        assert said.wait(30), "no line while the call hung"
+        release.set()
+        t.join(30)
+    finally:
+        logging.getLogger("sharedfs").removeHandler(seen)
+        release.set()
+    text = caplog.text
+    assert "read /nfs/run/x has been waiting" in text and "read /nfs/run/x returned after" in text
+
+
+def test_a_call_that_computes_is_not_watched(monkeypatch, caplog):
+    monkeypatch.setattr(sharedfs, "HUNG_SAY_AFTER_S", 0.05)
+    caplog.set_level(logging.WARNING, "sharedfs")
+    import time as time_
+    sharedfs.retry("build the token cache in", "/nfs/run/data", lambda: time_.sleep(0.4), watch=False)
+    assert "waiting" not in caplog.text and "returned" not in caplog.text

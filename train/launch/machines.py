@@ -45,6 +45,11 @@ class Machine:
         return list(range(self.gpus)) if isinstance(self.gpus, int) else list(self.gpus)
 
 
+# variables that hold credentials: refused in machines.json's env (train/core/objstore.py reads them from the
+# environment or the AWS files of each host)
+SECRET_ENV = frozenset({"AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"})
+
+
 def load_machines(path: str | os.PathLike) -> list[Machine]:
     """Load machines.json: a list of host strings (the prototype's format) or of objects with Machine fields."""
     p = Path(path)
@@ -111,6 +116,10 @@ def load_machines(path: str | os.PathLike) -> list[Machine]:
         for k, v in m.env.items():
             if not isinstance(v, str) or not k.replace("_", "a").isalnum() or k[0].isdigit():
                 raise ConfigError(f"{where}: env[{k!r}]: names must be [A-Za-z_][A-Za-z0-9_]* and values strings")
+            if k in SECRET_ENV:  # they would sit in this file and on the remote command line
+                raise ConfigError(f"{where}: env[{k!r}]: no secrets in machines.json (its env goes on the remote "
+                                  f"command line): put them in ~/.aws/credentials on {m.host} and set AWS_PROFILE "
+                                  f"here if it is not the default profile (docs/object-store.md)")
         out.append(m)
     labels = [m.label for m in out]
     dup = {x for x in labels if labels.count(x) > 1}

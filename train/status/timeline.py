@@ -117,9 +117,19 @@ def read_progress(path: Path) -> dict:
 
 
 def log_tail(path: Path, nbytes: int = LOG_TAIL_BYTES) -> str:
-    """The last `nbytes` of a log on BASE_DIR ('' if there is none)."""
+    """The last `nbytes` of a log on BASE_DIR ('' if there is none). On an object store the logs stay in each
+    machine's mirror (docs/object-store.md): this machine's copy, if it has one."""
     import os
 
+    from train.core import objstore
+
+    if objstore.store_for(path) is not None:
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - nbytes))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
     if not sharedfs.exists(path):
         return ""
     fd = sharedfs.open_fd(path, os.O_RDONLY)

@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from train.core import sharedfs
+from train.core import objstore, sharedfs
 from train.core.errors import NotFound
 from train.core.heartbeat import boot_id, pid_alive
 from train.core.store import read_json, read_jsonl
@@ -186,7 +186,7 @@ def gather(root: str | Path, now: float | None = None, live: Liveness | None = N
             problems.append({key: k - 1 if strategy == "diloco" else k, "worker": w, "kind": "rejected", "why": why})
         for m, why in sorted((rec.get("refilled") or {}).items()):
             problems.append({key: k, "worker": m, "kind": "refilled", "why": why})
-    return {"run": str(root), "strategy": strategy, "project": cfg.get("project_name") or root.name,
+    return {"run": objstore.url_of(root), "strategy": strategy, "project": cfg.get("project_name") or root.name,
             "unit": key, "committed": committed, "total": total, "eta_s": eta,
             "finished": sharedfs.exists(paths.final / "MANIFEST.json") or sharedfs.exists(root / "DONE.json"),
             "coordinator": coordinator, "workers": workers, "recent": rows, "problems": problems[-10:],
