@@ -111,7 +111,8 @@ class RunConfig:
     project_name: str | None = doc(None, "Run name: everything lives in BASE_DIR/<project_name>/. null = "
                                          "<strategy>-shakespeare (diloco-shakespeare for DiLoCo, edt-shakespeare "
                                          "for EDT), so the two default runs never share a folder.")
-    base_dir: str = doc("runs", "Shared folder (NFS on a cluster); relative = next to the config file.")
+    base_dir: str = doc("runs", "Shared folder (NFS on a cluster), or an object store: s3://bucket/prefix "
+                                "(docs/object-store.md); relative = next to the config file.")
     seed: int = doc(0, "Seed for model init, data order and evaluation windows.")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -43,6 +43,7 @@ import logging
 import os
 import threading
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,11 @@ _lock = threading.Lock()
 
 def is_url(value: Any) -> bool:
     return isinstance(value, str) and value.lower().startswith(SCHEME)
+
+
+def cache_bytes() -> int:
+    """How much of the mirror one process's downloads may take: $EDT_S3_CACHE_MB (default 4096 MB)."""
+    return int(float(os.environ.get("EDT_S3_CACHE_MB") or 4096) * (1 << 20))
 
 
 def cache_root() -> Path:
@@ -194,6 +200,10 @@ class ObjectStore:
         self._client_lock = threading.Lock()
         self._checked = False
         self._folders: set[str] = set()  # folder markers this process has put
+        # the mirror copies this process downloaded, least recently opened first (path -> bytes): past
+        # cache_bytes() the oldest are removed (a reader that has one open keeps reading it: POSIX)
+        self._downloads: OrderedDict[str, int] = OrderedDict()
+        self._downloads_lock = threading.Lock()
 
     # -- the client ------------------------------------------------------------------------------------------------
     @property
@@ -389,8 +399,9 @@ class ObjectStore:
         return os.stat_result((stat_.S_IFREG | 0o644, tag, 0, 1, 0, 0, size, t, t, t, mod, mod, mod,
                                t * 10**9 + tag % 10**9, t * 10**9 + tag % 10**9, t * 10**9 + tag % 10**9))
 
-    def walk(self, folder: str | os.PathLike) -> list[str]:
-        """Every object under `folder`, as paths relative to it ('/'-separated; folder markers left out)."""
+    def walk(self, folder: str | os.PathLike, markers: bool = False) -> list[str]:
+        """Every object under `folder`, as paths relative to it ('/'-separated; folder markers only with
+        `markers`)."""
         key = self.key(folder)
         pfx = f"{key}/" if key else ""
         out: list[str] = []
@@ -400,7 +411,7 @@ class ObjectStore:
             if token:
                 kw["ContinuationToken"] = token
             page = self.call("list", folder, lambda: self.client.list_objects_v2(**kw))
-            out += [o["Key"][len(pfx):] for o in page.get("Contents") or [] if not o["Key"].endswith("/")]
+            out += [o["Key"][len(pfx):] for o in page.get("Contents") or [] if markers or not o["Key"].endswith("/")]
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return out
@@ -410,13 +421,11 @@ class ObjectStore:
         the folder never trusts what is left of it. Then its mirror copy."""
         import shutil
 
-        names = self.walk(folder)
-        names.sort(key=lambda n: (n.rsplit("/", 1)[-1] not in ("COMMITTED", MANIFEST), n))
+        names = self.walk(folder, markers=True)  # the folder markers of its sub-folders too (else they stay listed)
+        names.sort(key=lambda n: (n.rsplit("/", 1)[-1] not in ("COMMITTED", MANIFEST), n.endswith("/"), n))
         key = self.key(folder)
-        for n in names:
-            k = f"{key}/{n}" if key else n
-            self.call("unlink", folder, lambda: self.client.delete_object(Bucket=self.bucket, Key=k))
-        for k in (f"{key}/",):  # the folder's own marker
+        for n in [*names, ""]:  # "": the folder's own marker, last
+            k = f"{key}/{n}"
             self.call("unlink", folder, lambda: self.client.delete_object(Bucket=self.bucket, Key=k))
         self._folders = {f for f in self._folders if f != key and not f.startswith(key + "/")}
         shutil.rmtree(folder, ignore_errors=True)
@@ -548,6 +557,7 @@ class ObjectStore:
         etag, size = head.get("ETag", ""), int(head["ContentLength"])
         fd = self._local_copy(local, etag)
         if fd is not None:
+            self._note_download(local, size)
             return fd
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(f".{local.name}.dl-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -580,8 +590,25 @@ class ObjectStore:
             _unlink_quiet(tmp)
             raise
         self.note_local(local, etag)
+        self._note_download(local, size)
         os.lseek(wfd, 0, os.SEEK_SET)
         return wfd
+
+    def _note_download(self, local: Path, size: int) -> None:
+        """Keep the mirror's downloaded copies within cache_bytes() (the one just opened always stays): a worker
+        reads a new θ every round, and the rounds it no longer needs are pruned from the bucket, not from here."""
+        key, budget, drop = os.fspath(local), cache_bytes(), []
+        with self._downloads_lock:
+            self._downloads.pop(key, None)
+            self._downloads[key] = size
+            total = sum(self._downloads.values())
+            while total > budget and len(self._downloads) > 1:
+                old, n = self._downloads.popitem(last=False)
+                total -= n
+                drop.append(old)
+        for old in drop:
+            _unlink_quiet(Path(old))
+            _unlink_quiet(self._sidecar(Path(old)))
 
     def publish(self, src: str | os.PathLike, dst: str | os.PathLike, *, once: bool = False) -> bool:
         """`sharedfs.replace(src, dst)` on the store: upload the local temp `src` (a file, or a folder with

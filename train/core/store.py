@@ -83,6 +83,9 @@ def exclusive_lock(path: str | os.PathLike, what: str, lease: str | os.PathLike 
         # live process; say that the lock itself protects nothing here (docs/protocol.md "On NFS").
         log.warning("%s: file locks are not supported on this disk: one %s at a time is enforced by its lease "
                     "only", path, what)
+    if local and lease is None:
+        log.warning("%s: on an object store a lock holds on this machine only and %s has no lease: start one %s "
+                    "at a time (docs/object-store.md)", objstore.url_of(path), what, what)
     if (not locked or local or os.environ.get("EDT_LOCKS") == "local") and lease is not None:
         holder = live_lease(Path(lease), watch_s)
         if holder:

@@ -26,6 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from train.core import sharedfs
 from train.core.errors import ConfigError, NotFound
 from train.config import BASE_METHODS, RunConfig
 from train.edt.genes import decode as decode_genes
@@ -176,13 +177,15 @@ class EvoMergeBreeding:
         def fill(tmp: Path) -> str | None:
             if elite:
                 for f in ("config.json", "generation_config.json", WEIGHTS):
-                    if (a.dir / f).is_file():
-                        shutil.copy2(a.dir / f, tmp / f)
-                stats["bytes_read"] += (a.dir / WEIGHTS).stat().st_size
-                stats["bytes_written"] += (a.dir / WEIGHTS).stat().st_size
+                    if sharedfs.is_file(a.dir / f):
+                        sharedfs.copy_file(a.dir / f, tmp / f)
+                stats["bytes_read"] += sharedfs.stat(a.dir / WEIGHTS).st_size
+                stats["bytes_written"] += sharedfs.stat(a.dir / WEIGHTS).st_size
                 return None
             out = tmp / "merged"
-            io = merge_model_dirs(Recipe.from_dict(hyper["recipe"]), [a.dir, b.dir], out,
+            # the parents by name (an object store: their mirror copies, downloaded)
+            io = merge_model_dirs(Recipe.from_dict(hyper["recipe"]), [sharedfs.local_copy(a.dir),
+                                                                      sharedfs.local_copy(b.dir)], out,
                                   base_model_dir=base_model_dir_of(cfg))
             for f in out.iterdir():
                 if f.name != "MANIFEST.json":

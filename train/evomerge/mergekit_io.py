@@ -21,6 +21,7 @@ import logging
 import math
 from pathlib import Path
 
+from train.core import sharedfs
 from train.config import ConfigError, RunConfig
 from train.evomerge.recipe import KEY, TASK_VECTOR, read_recipe_yaml, recipe_models
 from train.core.tensorio import read_header
@@ -91,7 +92,7 @@ def dump_yaml(cfg: dict) -> str:
 def _dtype_of(model_dir: Path) -> str | None:
     """The one floating dtype of a single-file model's tensors, else None."""
     f = model_dir / "model.safetensors"
-    if not f.is_file():
+    if not sharedfs.is_file(f):
         return None
     kinds = {v["dtype"] for v in read_header(f)[0].values()} & set(ST_DTYPES)
     return ST_DTYPES[kinds.pop()] if len(kinds) == 1 else None
@@ -165,7 +166,7 @@ def member_config(cfg: RunConfig, paths, records: list[dict], mid: str, what: st
     head.append(f"run: python -m train.merge best_config.yaml OUT{seed_flag}   (or mergekit-yaml, same arguments)")
     local = [info["reproduces"]] + [e["model"] for e in mk["models"]] + [mk.get("base_model")]
     for p in dict.fromkeys(x for x in local if x and x.startswith("/")):
-        if not Path(p).exists():
+        if not sharedfs.exists(p):
             info["missing"].append(p)
             head.append(f"NOTE: {p} no longer exists (edt.keep_generations keeps only the best member of older "
                         f"generations): raise edt.keep_generations to keep every folder a best_config names")
