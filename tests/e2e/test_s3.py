@@ -129,14 +129,15 @@ def _committed(sw: SeaweedFS, r: int) -> bool:
     return f"runs/{PROJECT}/rounds/r{r:06d}/COMMITTED" in _keys(sw, f"runs/{PROJECT}/rounds/r{r:06d}/")
 
 
-def _run(tmp: Path, cfg: Path, strategy: str, sw: SeaweedFS | None, during=None, timeout: float = 240) -> Run:
+def _run(tmp: Path, cfg: Path, strategy: str, sw: SeaweedFS | None, during=None, timeout: float = 240,
+         env: dict[str, str] | None = None) -> Run:
     """One run: `sw` None: every process on one plain folder; else BASE_DIR s3://BUCKET/runs. `during(run)` is
     called once every process started."""
     if sw is None:
         (tmp / "plain").mkdir()
         run = Run(tmp, cfg, strategy, str(tmp / "plain"), {})
     else:
-        run = Run(tmp, cfg, strategy, f"s3://{BUCKET}/runs", sw.s3_env())
+        run = Run(tmp, cfg, strategy, f"s3://{BUCKET}/runs", {**sw.s3_env(), **(env or {})})
     try:
         for label in run.labels:
             run.start(label)
@@ -183,13 +184,17 @@ def _same(got: bytes, want: bytes) -> None:
 @pytest.mark.parametrize("codec", ["none", "int8"])
 def test_s3_diloco_gives_the_plain_disk_model(s3_ok, plain, sw, tmp_path, codec):
     cfg, want = plain("diloco", codec)
-    run = _run(tmp_path, cfg, "diloco", sw)
+    # a cache budget of about two θ (the micro model's are 150 KB): a worker's mirror keeps the recent ones only
+    run = _run(tmp_path, cfg, "diloco", sw, env={"EDT_S3_CACHE_MB": "0.35"})
     _same(_final_bytes(sw, tmp_path), want)
     assert f"s3://{BUCKET}/runs/{PROJECT}/final" in run.log("coordinator")
     keys = _keys(sw)
     assert not [k for k in keys if "/." in k or k.startswith(".")], "a temp name was uploaded"
     # pruning deletes objects: only the kept rounds (outer.keep_rounds) and round 0 are in the bucket
     assert f"runs/{PROJECT}/metrics.jsonl" in keys and f"runs/{PROJECT}/final/MANIFEST.json" in keys
+    for w in range(WORKERS):
+        thetas = list((tmp_path / "machines" / f"worker-{w}").rglob("global/model.safetensors"))
+        assert len(thetas) <= 3, f"worker {w}'s mirror keeps {len(thetas)} θ: {thetas}"
     if codec != "none":
         return
     # from a machine that took no part (a fresh mirror): the status view, and the launcher's preflight token

@@ -279,11 +279,12 @@ def cmd_status(a, paths: DiLoCoPaths, cfg) -> int:
         out.append(item)
     metrics = read_jsonl(paths.metrics)
     last = metrics[-1] if metrics else {}
-    gens = [int(d.parent.name[1:]) for d in (paths.root / "generations").glob("g*/COMMITTED")
-            if d.parent.name[1:].isdigit()]  # EDT's commit markers (train/edt/store.py layout)
-    run = {"run_dir": str(paths.root), "committed": paths.latest_committed(), **run_totals(paths, cfg),
+    from train.edt.store import EDTPaths
+
+    gens = EDTPaths(paths.root).committed_generations()  # EDT's commit markers (none in a DiLoCo run)
+    run = {"run_dir": objstore.url_of(paths.root), "committed": paths.latest_committed(), **run_totals(paths, cfg),
            "committed_generation": max(gens) if gens else None,
-           "final": (paths.final / "MANIFEST.json").is_file(),
+           "final": sharedfs.is_file(paths.final / "MANIFEST.json"),
            "last": {k: last[k] for k in ("round", "generation", "eval_loss", "train_loss") if k in last}}
     return answer({"processes": out, "run": run, "hostname": socket.gethostname()})
 

@@ -30,11 +30,13 @@ def _record(ln: SlurmLauncher) -> dict:
 
 def run_state(ln: SlurmLauncher) -> dict:
     paths, cfg = ln.paths, ln.cfg
-    gens = [int(d.parent.name[1:]) for d in (paths.root / "generations").glob("g*/COMMITTED")
-            if d.parent.name[1:].isdigit()]
+    from train.core import sharedfs
+    from train.edt.store import EDTPaths
+
+    gens = EDTPaths(paths.root).committed_generations()
     return {"run_dir": str(paths.root), "committed": paths.latest_committed(), **run_totals(paths, cfg),
             "committed_generation": max(gens) if gens else None,
-            "final": (paths.final / "MANIFEST.json").is_file()}
+            "final": sharedfs.is_file(paths.final / "MANIFEST.json")}
 
 
 def status(ln: SlurmLauncher, as_json: bool = False) -> int:
