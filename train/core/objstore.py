@@ -54,6 +54,7 @@ log = logging.getLogger("objstore")
 SCHEME = "s3://"
 PART_BYTES = 16 << 20  # a transfer above this goes in parallel parts of this size
 PARALLEL = 8           # parts in flight per transfer
+REACH_S = 15.0         # how long a start waits for the endpoint to answer before it says it does not
 MANIFEST = "MANIFEST.json"
 ETAG_PREFIX = ".etag."  # the mirror's sidecar of a local copy: ETAG_PREFIX + name (never listed: a dot name)
 
@@ -283,7 +284,8 @@ class ObjectStore:
     # -- the checks at attach ----------------------------------------------------------------------------------------
     def check(self) -> None:
         """The bucket answers, the credentials work, conditional PUTs are enforced (one line each, else)."""
-        from train.core import sharedfs
+        import time
+
         from train.core.errors import ConfigError
 
         if self._checked:
@@ -291,16 +293,23 @@ class ObjectStore:
         probe = self.mirror / f".edt-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         key = self.key(probe)
         try:
-            sharedfs.retry("reach bucket", self.url, lambda: self.call(
-                "head bucket", self.mirror, lambda: self.client.head_bucket(Bucket=self.bucket)),
-                budget=min(sharedfs._retry_s, 15.0))
-        except sharedfs.SharedDiskError:
-            raise ConfigError(f"base_dir {self.url}: the S3 endpoint {_endpoint() or 'AWS S3'} does not answer: "
-                              f"check AWS_ENDPOINT_URL and that the server is up") from None
+            deadline, delay = time.monotonic() + REACH_S, 0.25
+            while True:  # a server starting up answers within REACH_S; one that does not is a wrong endpoint
+                try:
+                    self.call("head bucket", self.mirror, lambda: self.client.head_bucket(Bucket=self.bucket))
+                    break
+                except OSError as e:
+                    if type(e) is not OSError or time.monotonic() + delay > deadline:
+                        raise
+                    time.sleep(delay)
+                    delay = min(2 * delay, 2.0)
         except FileNotFoundError:  # HEAD has no body: a missing bucket is a bare 404
             raise ConfigError(f"base_dir {self.url}: bucket {self.bucket!r} does not exist at "
                               f"{_endpoint() or 'AWS S3'}: create it (aws s3 mb s3://{self.bucket}) or fix the "
                               f"name") from None
+        except OSError:  # connection refused, timeouts, 5xx, for REACH_S
+            raise ConfigError(f"base_dir {self.url}: the S3 endpoint {_endpoint() or 'AWS S3'} does not answer: "
+                              f"check AWS_ENDPOINT_URL and that the server is up") from None
         try:
             self.client.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")
             try:

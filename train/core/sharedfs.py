@@ -230,7 +230,7 @@ def retry(op: str, path: str | os.PathLike, fn: Callable[[], T], *, budget: floa
 HUNG_SAY_AFTER_S = 30.0  # a call in flight this long gets a line (again each HUNG_SAY_AFTER_S), one when it returns
 _inflight: dict[int, list] = {}  # id -> [op, path, start, said]
 _inflight_lock = threading.Lock()
-_watchdog: list[threading.Thread] = []
+_watchdog: list[int] = []  # the pid whose watchdog thread runs
 
 
 def _watched(op: str, path, fn: Callable[[], T]) -> T:
@@ -239,10 +239,9 @@ def _watched(op: str, path, fn: Callable[[], T]) -> T:
     entry = [op, path, time.monotonic(), 0.0]
     with _inflight_lock:
         _inflight[id(token)] = entry
-        if not _watchdog:
-            t = threading.Thread(target=_watch, name="sharedfs-watchdog", daemon=True)
-            _watchdog.append(t)
-            t.start()
+        if _watchdog != [os.getpid()]:  # none yet, or a forked child's (threads do not cross a fork)
+            _watchdog[:] = [os.getpid()]
+            threading.Thread(target=_watch, name="sharedfs-watchdog", daemon=True).start()
     try:
         return fn()
     finally:
