@@ -4,6 +4,7 @@
     python bench/soak.py                         # 8 workers x 1000 rounds (hours; not in CI)
     python bench/soak.py --quick --seed 3 --out /tmp/soak --faults kill_worker disk_full bad_delta
     python bench/soak.py --quick --storage seaweedfs   # each process on its own `weed mount` of a real SeaweedFS
+    python bench/soak.py --quick --storage s3          # BASE_DIR an s3:// bucket (SeaweedFS's S3 gateway)
 
 What runs: the real programs, as on a cluster (README "multi-machine"): the coordinator `python diloco.py` and every
 worker (`bench/soak_worker.py`: `python -m train.diloco.worker` that may publish a bad delta when told to) each under
@@ -20,6 +21,16 @@ itself: freeze_storage (master, volume server and filer SIGSTOPped for --freeze-
 filer or the volume server SIGKILLed, started again on its ports with its data after --down-s, 10 s). The checker
 reads the run through a weed mount of its own.
 
+With --storage s3 BASE_DIR is a bucket: the same private SeaweedFS with its S3 gateway (`weed s3`), every process
+run with base_dir=s3://edt-runs/soak-runs, the standard AWS variables of the gateway and its own mirror folder
+(EDT_S3_CACHE=DIR/machines/<name>: its own machine, sharing nothing but the bucket; train/core/objstore.py). No FUSE
+is involved, so the kinds that act on a process's mount (eio_burst, hang_mount, disk_full) are left out (and refused
+if asked for); freeze_storage stops the gateway too, and restart_storage picks the filer, the volume server or the
+gateway. The checker reads the run from the bucket through a mirror of its own (every read through
+train/core/sharedfs.py), and the disk curve is the bucket's size under the run's prefix (a LIST) with every
+machine's mirror folder beside it; at the end no mirror may hold copies of more than keep_rounds + 2 pruned rounds
+(a listing drops the copies of objects the bucket no longer holds).
+
 The fault schedule (seeded by --seed) starts a fault every --gap seconds, or once --every-rounds rounds were committed
 since the last one if that comes first (so a fast machine gets as many faults as a slow one), each kind once in a
 shuffled order first, then at random; faults overlap (a hang lasts 60 s, a full disk 30 s). Kinds (--faults):
@@ -35,7 +46,7 @@ shuffled order first, then at random; faults overlap (a hang lasts 60 s, a full 
     leave              a worker leaves (SIGTERM)
     move_coordinator   the coordinator is killed and started again on another machine's mount
 
-Invariants, checked live (every committed round as it appears, from the backing folder) and at the end:
+Invariants, checked live (every committed round as it appears, from the backing folder or the bucket) and at the end:
     - every round committed exactly once (one COMMITTED marker, never rewritten; one metrics row per round);
     - θ of every committed round equals the replay of its committed deltas (the outer step is averaging, outer.lr 1
       and momentum 0, so the replay is exact: Σ tokens·Δ in float64 in the coordinator's way; rounds pruned before
@@ -81,12 +92,15 @@ from pathlib import Path
 from common import REPO
 
 from tests.helpers.fusefs import fuse_skip_reason, nfs_mount  # one FUSE mount per process (common put REPO on path)
-from tests.helpers.seaweed import seaweed_skip_reason, seaweedfs
+from tests.helpers.seaweed import seaweed_skip_reason, seaweedfs, weed_binary
 from train.exchange.screen import CLEAR
 
 KINDS = ("kill_worker", "kill_supervisor", "kill_coordinator", "stop_worker", "eio_burst", "hang_mount",
          "disk_full", "bad_delta", "join", "leave", "move_coordinator")
-STORAGE_KINDS = ("freeze_storage", "restart_storage")  # --storage seaweedfs: the storage server itself fails
+STORAGE_KINDS = ("freeze_storage", "restart_storage")  # --storage seaweedfs / s3: the storage server itself fails
+MOUNT_KINDS = ("eio_burst", "hang_mount", "disk_full")  # act on a process's FUSE mount: none with --storage s3
+BUCKET, S3_PREFIX = "edt-runs", "soak-runs"            # --storage s3: BASE_DIR = s3://BUCKET/S3_PREFIX
+SAMPLE_KEYS = ("t", "round", "disk_mb", "mirror_mb")   # a sample's keys that are not a process's
 BAD_KINDS = ("scale", "flip", "noise")
 # the loss screen's promise (docs/protocol.md): a bad delta (its gain <= 0) is rejected wherever the others' median
 # gain is over outer.screen_loss_margin / 0.25; checked with twice that (0.24 nats at the default margin of 0.03)
@@ -138,7 +152,7 @@ def proc_stats(pid: int) -> tuple[float, int] | None:
 class Role:
     """A worker or the coordinator: its mount, control file and current LocalProcess."""
     name: str
-    mount: Path
+    mount: Path | None  # None with --storage s3 (no mount: its machine's mirror is DIR/machines/<name>)
     control: Path
     proc: object = None
     busy_until: float = 0.0  # stopped / hung: not a target of another fault until then
@@ -179,7 +193,10 @@ class Fault:
 
 # -- the live checker ------------------------------------------------------------------------------------------------
 class Checker:
-    """Reads the backing folder (the server's view, no client cache) and checks every committed round once.
+    """Reads the backing folder (the server's view, no client cache) and checks every committed round once. Every
+    read goes through train/core/sharedfs.py (and store / tensorio, built on it): on a plain folder the call itself,
+    with --storage s3 a request to the bucket (`run` is then a path in the checker's own mirror, which holds only
+    what those calls downloaded).
 
     Without a codec θ_r is replayed from θ_{r−1} and the round's deltas. With one (int8, topk) the coordinator
     writes θ only at checkpoints: the checker keeps its own copy of θ the way a worker does (train/exchange/theta.py
@@ -193,6 +210,7 @@ class Checker:
         self.seen: dict[int, str] = {}     # round -> sha256 of its COMMITTED file
         self.checked: list[int] = []
         self.unchecked: list[int] = []     # pruned before the checker saw both θ's and the deltas
+        self.gone: set[int] = set()        # pruned: no marker, and older than a committed round (not read again)
         self.violations: list[str] = []
         self.tokens: dict[int, dict] = {}
 
@@ -200,18 +218,29 @@ class Checker:
         return max(self.seen) if self.seen else 0
 
     def poll(self) -> None:
+        from train.core import sharedfs
+
         rounds = self.run / "rounds"
         try:
-            names = sorted(os.listdir(rounds))
+            names = sorted(sharedfs.names(rounds))
         except OSError:
             return
         for name in names:
             if not (name.startswith("r") and name[1:].isdigit()):
                 continue
             r = int(name[1:])
+            if r in self.gone:
+                continue
             marker = rounds / name / "COMMITTED"
             try:
-                data = marker.read_bytes()
+                data = sharedfs.read_bytes(marker)
+            except FileNotFoundError:
+                # a listed round without its marker, older than one committed: pruned (rounds commit in order;
+                # the object store of --storage s3 may go on listing a pruned round's empty folders, and one GET
+                # per such round and poll would grow with the run)
+                if r < self.latest():
+                    self.gone.add(r)
+                continue
             except OSError:
                 continue
             sha = hashlib.sha256(data).hexdigest()
@@ -232,21 +261,22 @@ class Checker:
         if self.codec != "none":
             return self.follow(r)
         import torch
-        from safetensors.torch import load_file
 
+        from train.core.store import read_json
+        from train.core.tensorio import load_tensors
         from train.exchange.outer import outer_step_tensor
 
         prev, cur = self.run / "rounds" / f"r{r - 1:06d}", self.run / "rounds" / f"r{r:06d}"
-        theta0 = load_file(str(prev / "global" / "model.safetensors"))
-        theta1 = load_file(str(cur / "global" / "model.safetensors"))
+        theta0 = load_tensors(prev / "global" / "model.safetensors")
+        theta1 = load_tensors(cur / "global" / "model.safetensors")
         parts = [(prev / "deltas", w, 1.0) for w in rec["workers"]]
         for key, late in (rec.get("late") or {}).items():
             parts.append((self.run / "rounds" / f"r{late['round']:06d}" / "deltas", int(key[1:]), late["weight"]))
         acc: dict[str, torch.Tensor] = {}
         total = 0.0
         for folder, w, weight in parts:
-            meta = json.loads((folder / f"w{w:03d}.json").read_text())
-            d = load_file(str(folder / f"w{w:03d}.safetensors"))
+            meta = read_json(folder / f"w{w:03d}.json")
+            d = load_tensors(folder / f"w{w:03d}.safetensors")
             a = float(meta["tokens"]) * weight
             for n, t in d.items():
                 t = t.to(torch.float64)
@@ -305,7 +335,10 @@ class Soak:
         self.tmpfs = False
         self.bad_outcomes: list[str] = []
         self.healthy_rejected: list[str] = []
-        self.sw = None  # --storage seaweedfs: the running SeaweedFS (tests/helpers/seaweed.py)
+        self.sw = None  # --storage seaweedfs / s3: the running SeaweedFS (tests/helpers/seaweed.py)
+        self.s3 = a.storage == "s3"
+        self.url = f"s3://{BUCKET}/{S3_PREFIX}"  # --storage s3: every process's base_dir
+        self.lister = None  # --storage s3: a client of short timeouts for the bucket's size (sample)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -331,13 +364,24 @@ class Soak:
             # moment later); a full disk is ENOSPC switched on in every process's throttlefs mount
             self.sw = self.stack.enter_context(seaweedfs(self.out / "seaweed"))
             self.backing = self.sw.mount("checker")
+        elif self.s3:
+            # the run in a bucket of SeaweedFS's S3 gateway; the checker is one more machine: the AWS variables
+            # and a mirror of its own in this process's environment, the store attached (and checked: the bucket
+            # answers, conditional writes hold), every read of the run through sharedfs
+            from train.core import objstore, sharedfs
+
+            self.sw = self.stack.enter_context(seaweedfs(self.out / "seaweed", s3=True))
+            self.sw.make_bucket(BUCKET)
+            os.environ.update(self.sw.s3_env(), EDT_S3_CACHE=str(self.out / "machines" / "checker"))
+            sharedfs.configure(600.0)  # a frozen or restarted server is waited out, never a crash of the checker
+            self.backing = objstore.attach(self.url)
         elif os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.a.disk_mb}m", "tmpfs",
                                                  str(disk)], capture_output=True).returncode == 0:
             self.tmpfs = True
             self.stack.callback(lambda: subprocess.run(["umount", "-l", str(disk)], capture_output=True))
         else:
             self.say("note: cannot mount a tmpfs here (not root?): disk_full switches ENOSPC on in every mount instead")
-        if self.sw is None:
+        if self.sw is None:  # (on SeaweedFS the backing folder is the checker's weed mount or its bucket mirror)
             self.backing = disk / "export"
             self.backing.mkdir()
         self.run = self.backing / PROJECT
@@ -350,7 +394,9 @@ class Soak:
         for i, name in enumerate(names):
             control = self.out / "control" / f"{name}.json"
             set_control(control)
-            if self.sw is None:
+            if self.s3:
+                mount = None  # its own machine: the bucket through the mirror DIR/machines/<name>
+            elif self.sw is None:
                 mount = self.stack.enter_context(nfs_mount(self.backing, self.out / "mnt" / name, lookup_ttl=10,
                                                            seed=i, control=control))
             else:  # its own weed mount; over it a throttlefs mount without a cache, for the fault switches only
@@ -363,15 +409,20 @@ class Soak:
     def start(self, role: Role, worker: int | None) -> None:
         from train.launch.procs import LocalProcess
 
-        sets = ["--set", f"base_dir={role.mount}"]
+        sets = ["--set", f"base_dir={self.url if self.s3 else role.mount}"]
+        env = dict(self.env, EDT_S3_CACHE=str(self.machine(role.name))) if self.s3 else self.env
         if worker is None:
             argv = [sys.executable, str(REPO / "diloco.py"), "--config", str(self.cfg_path), "--no-progress", *sets]
         else:
             argv = [sys.executable, str(REPO / "bench" / "soak_worker.py"), "--config", str(self.cfg_path),
                     "--worker", str(worker), "--threads", "1", *sets]
-        role.proc = LocalProcess(role.name.replace("-", " "), argv, self.out / "logs" / f"{role.name}.log", self.env,
+        role.proc = LocalProcess(role.name.replace("-", " "), argv, self.out / "logs" / f"{role.name}.log", env,
                                  max_restarts=1000)
         role.proc.start()
+
+    def machine(self, name: str) -> Path:
+        """--storage s3: the machine folder of a role (its EDT_S3_CACHE: the mirror lies under it)."""
+        return self.out / "machines" / name
 
     def workers(self, live_only: bool = True) -> list[Role]:
         now = time.monotonic()
@@ -465,15 +516,16 @@ class Soak:
             f.target = "the storage server"
             if kind == "freeze_storage":
                 self.sw.freeze()
-                f.detail, f.until = f"master, volume server and filer SIGSTOPped for {self.a.freeze_s:g} s", \
-                    self.now() + self.a.freeze_s
+                what = "master, volume server, filer and S3 gateway" if self.s3 else "master, volume server and filer"
+                f.detail, f.until = f"{what} SIGSTOPped for {self.a.freeze_s:g} s", self.now() + self.a.freeze_s
                 threading.Timer(self.a.freeze_s, self.storage_back, args=("thawed (SIGCONT)",)).start()
             else:
-                server = self.rng.choice(("filer", "volume"))
+                server = self.rng.choice(("filer", "volume", "s3") if self.s3 else ("filer", "volume"))
                 self.sw.stop_server(server)
-                f.target = f"the {server}"
+                name = "S3 gateway" if server == "s3" else server
+                f.target = f"the {name}"
                 f.detail, f.until = f"SIGKILL, started again after {self.a.down_s:g} s", self.now() + self.a.down_s
-                threading.Timer(self.a.down_s, self.storage_back, args=(f"{server} started again", server)).start()
+                threading.Timer(self.a.down_s, self.storage_back, args=(f"{name} started again", server)).start()
         elif kind == "move_coordinator":
             other = "coordinator-b" if self.coordinator == "coordinator" else "coordinator"
             with contextlib.suppress(ProcessLookupError):
@@ -482,7 +534,8 @@ class Soak:
             self.coordinator = other
             self.roles[other].gone = False
             self.start(self.roles[other], None)
-            f.target, f.detail = other, f"killed on {coord.name}'s mount, started on {other}'s"
+            f.target, f.detail = other, (f"killed on {coord.name}'s machine, started on {other}'s (its own mirror)"
+                                         if self.s3 else f"killed on {coord.name}'s mount, started on {other}'s")
         self.faults.append(f)
         self.say(f"fault {len(self.faults)}: {kind} {f.target}: {f.detail}")
         return f
@@ -526,7 +579,14 @@ class Soak:
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def sample(self) -> None:
-        row = {"t": round(self.now(), 2), "round": self.checker.latest(), "disk_mb": round(du(self.run) / 1e6, 3)}
+        if self.s3:  # the bucket's objects under the run's prefix; every machine's mirror folder beside them
+            size = self.bucket_bytes()
+            row = {"t": round(self.now(), 2), "round": self.checker.latest(),
+                   "disk_mb": None if size is None else round(size / 1e6, 3),
+                   "mirror_mb": {p.name: round(du(p) / 1e6, 3) for p in sorted((self.out / "machines").iterdir())
+                                 if p.is_dir()}}
+        else:
+            row = {"t": round(self.now(), 2), "round": self.checker.latest(), "disk_mb": round(du(self.run) / 1e6, 3)}
         for name, role in self.roles.items():
             if role.proc is None or role.gone:
                 continue
@@ -536,8 +596,34 @@ class Soak:
                 row[name] = [round(st[0], 1), st[1], pid]
         self.samples.append(row)
 
+    def bucket_bytes(self) -> int | None:
+        """--storage s3: the size of every object under the run's prefix (a LIST; None when the server does not
+        answer within a few seconds: a storage fault, no sample of it then). A measurement, not a read of the run
+        (the checker's reads go through sharedfs): its own client, short timeouts, no retries."""
+        if self.lister is None:
+            import boto3
+            from botocore.config import Config
+
+            env = self.sw.s3_env()
+            self.lister = boto3.client(
+                "s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"],
+                config=Config(connect_timeout=2, read_timeout=3, retries={"max_attempts": 1}))
+        total = 0
+        try:
+            for page in self.lister.get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
+                                                                               Prefix=f"{S3_PREFIX}/{PROJECT}/"):
+                total += sum(int(o.get("Size", 0)) for o in page.get("Contents") or [])
+        except Exception:  # noqa: BLE001  (the server is frozen or down: this sample has no size)
+            return None
+        return total
+
     def main(self) -> int:
-        if (why := fuse_skip_reason()):
+        if self.s3:
+            if (why := s3_skip_reason()):
+                print(f"soak: --storage s3: {why}", file=sys.stderr)
+                return 2
+        elif (why := fuse_skip_reason()):
             print(f"soak: needs FUSE: {why}", file=sys.stderr)
             return 2
         if self.a.storage == "seaweedfs" and (why := seaweed_skip_reason()):
@@ -610,9 +696,10 @@ class Soak:
     def report(self) -> int:
         from train.core.store import read_jsonl
 
+        from train.core import sharedfs
+
         violations = list(self.checker.violations)
-        rows = [r for r in read_jsonl(self.run / "metrics.jsonl") if r.get("round", 0) > 0] if (
-            self.run / "metrics.jsonl").exists() else []
+        rows = [r for r in read_jsonl(self.run / "metrics.jsonl") if r.get("round", 0) > 0]  # ([] without one)
         rounds = [r["round"] for r in rows]
         dup = sorted({k for k in rounds if rounds.count(k) > 1})
         if dup:
@@ -700,7 +787,11 @@ class Soak:
                                  not in bad_at]
         violations += [f"a healthy delta was screened out: {h}" for h in self.healthy_rejected]
         # tracebacks
-        logs = sorted((self.out / "logs").glob("*.log")) + sorted((self.run / "logs").glob("*.log"))
+        logs = sorted((self.out / "logs").glob("*.log"))
+        if self.s3:  # logs/ of the run stays on each machine (docs/object-store.md): every machine's mirror
+            logs += sorted(p for p in (self.out / "machines").rglob("*.log") if p.parent.name == "logs")
+        else:
+            logs += sorted((self.run / "logs").glob("*.log"))
         tb = [p.name for p in logs if "Traceback (most recent call last)" in p.read_text(errors="replace")]
         if tb:
             violations.append(f"a traceback in {', '.join(tb)}")
@@ -709,25 +800,25 @@ class Soak:
         violations += res_violations
         # the final model
         final = self.run / "final"
+        shown = f"{self.url}/{PROJECT}/final" if self.s3 else final
         try:
             from transformers import AutoModelForCausalLM
 
             from train.core.model import quiet_transformers
             quiet_transformers()
-            AutoModelForCausalLM.from_pretrained(str(final))
-            final_ok = f"{final} loads with transformers"
+            AutoModelForCausalLM.from_pretrained(str(sharedfs.local_copy(final)))  # (s3: downloaded to our mirror)
+            final_ok = f"{shown} loads with transformers"
         except Exception as e:  # noqa: BLE001  (any failure to load is the finding)
-            final_ok = f"{final} does not load: {type(e).__name__}: {e}"
+            final_ok = f"{shown} does not load: {type(e).__name__}: {e}"
             violations.append(final_ok)
         for f in self.faults:
             self.observe(f, rows)
             if (why := self.caught_up(f)):
                 violations.append(why)
-        if (self.run / "metrics.jsonl").exists():  # the screen's figures of every round, kept with the report
-            shutil.copy(self.run / "metrics.jsonl", self.out / "metrics.jsonl")
-        timeline = self.run / "timeline.png"
-        if timeline.exists():
-            shutil.copy(timeline, self.out / "timeline.png")
+        for name in ("metrics.jsonl", "timeline.png"):  # the screen's figures of every round, the run's picture
+            with contextlib.suppress(OSError):
+                if sharedfs.exists(self.run / name):
+                    (self.out / name).write_bytes(sharedfs.read_bytes(self.run / name))
         self.plot()
         kinds = sorted({f.kind for f in self.faults})
         committed = len(set(rounds))
@@ -742,6 +833,13 @@ class Soak:
         print(f"soak: {committed} rounds, {len(self.faults)} faults of {len(kinds)} kinds, {len(violations)} "
               f"invariant violations (report: {self.out / 'soak.md'})")
         return 0 if not violations else 1
+
+    def storage_words(self) -> str:
+        if self.s3:
+            return (f"BASE_DIR {self.url} on SeaweedFS's S3 gateway, each process its own mirror (EDT_S3_CACHE); "
+                    f"no mounts, so no disk_full")
+        return (f"{'SeaweedFS, one weed mount per process' if self.sw else 'throttlefs NFS-client mounts'}. Disk: "
+                f"{'a tmpfs of %d MB' % self.a.disk_mb if self.tmpfs else 'ENOSPC switched in the mounts'}")
 
     def observe(self, f: Fault, rows: list[dict]) -> None:
         """What the system did: the rounds committed during the fault, the target's part in them, log lines."""
@@ -798,7 +896,7 @@ class Soak:
     def resources(self) -> tuple[list[str], list[str]]:
         lines, bad = [], []
         ref_round = 100 if self.a.rounds >= 200 else max(1, self.a.rounds // 4)
-        roles = sorted({k for s in self.samples for k in s if k not in ("t", "round", "disk_mb")})
+        roles = sorted({k for s in self.samples for k in s if k not in SAMPLE_KEYS})
         for name in roles:
             pts = [(s["round"], *s[name]) for s in self.samples if name in s]
             # the incarnation (one pid) alive at the end, from the reference round or 20 rounds after its start
@@ -824,15 +922,60 @@ class Soak:
                 verdict = "fds grow"
             lines.append(f"| {name} | {ref[1]:.0f} -> {last[1]:.0f} MB ({growth:+.1%}) | {ref[2]} -> {last[2]} | "
                          f"rounds {ref[0]}-{last[0]} | {verdict} |")
-        disk = [(s["round"], s["disk_mb"]) for s in self.samples]
+        disk = [(s["round"], s["disk_mb"]) for s in self.samples if s["disk_mb"] is not None]
         if disk:
             half = [d for rr, d in disk if rr <= self.a.rounds // 2] or [0.0]
             rest = [d for rr, d in disk if rr > self.a.rounds // 2] or [0.0]
-            lines.append(f"\nBASE_DIR: at most {max(half):.1f} MB in the first half of the rounds, {max(rest):.1f} MB "
+            where = f"BASE_DIR ({self.url}/{PROJECT}, the bucket's objects)" if self.s3 else "BASE_DIR"
+            lines.append(f"\n{where}: at most {max(half):.1f} MB in the first half of the rounds, {max(rest):.1f} MB "
                          f"in the second")
             if max(rest) > 1.5 * max(half) + 1:
                 bad.append(f"BASE_DIR grows: {max(half):.1f} MB -> {max(rest):.1f} MB")
+        # --storage s3: each machine's mirror (EDT_S3_CACHE) holds copies of what it read, and a listing of a folder
+        # drops the copies of objects the bucket no longer holds (docs/object-store.md), so at the end a mirror may
+        # hold copies of at most keep_rounds + 2 pruned rounds (what a process had when it was killed or left, or
+        # what was pruned after its last listing). Its size over the halves of the run is shown, not judged (a
+        # worker that joined late starts small)
+        machines = sorted({m for s in self.samples for m in s.get("mirror_mb") or {}})
+        stale = self.stale_copies() if machines else {}
+        keep = int(json.loads(self.cfg_path.read_text()).get("outer", {}).get("keep_rounds", 4))
+        for m in machines:
+            pts = [(s["round"], s["mirror_mb"][m]) for s in self.samples if m in (s.get("mirror_mb") or {})]
+            half = [d for rr, d in pts if rr <= self.a.rounds // 2]
+            rest = [d for rr, d in pts if rr > self.a.rounds // 2]
+            n, mb = stale.get(m, (0, 0.0))
+            lines.append(f"{'' if m != machines[0] else chr(10)}- mirror of {m}: at most "
+                         f"{max(half) if half else 0:.1f} MB in the first half, {max(rest) if rest else 0:.1f} MB "
+                         f"in the second; at the end it holds copies from {n} rounds the bucket no longer has "
+                         f"({mb:.1f} MB)")
+            if n > keep + 2:
+                bad.append(f"the mirror of {m} holds copies from {n} pruned rounds ({mb:.1f} MB; at most "
+                           f"keep_rounds + 2 = {keep + 2} expected: a listing drops them)")
         return lines, bad
+
+    def stale_copies(self) -> dict[str, tuple[int, float]]:
+        """--storage s3, at the end: per machine, the rounds whose files its mirror still holds (downloaded copies)
+        although the bucket holds no object of that round any more (pruned), and their size in MB."""
+        try:
+            live: set[str] = set()
+            for page in self.lister.get_paginator("list_objects_v2").paginate(
+                    Bucket=BUCKET, Prefix=f"{S3_PREFIX}/{PROJECT}/rounds/"):
+                live |= {o["Key"].split("/")[3] for o in page.get("Contents") or []}
+        except Exception:  # noqa: BLE001  (no answer: nothing to say)
+            return {}
+        out = {}
+        for machine in sorted((self.out / "machines").iterdir()):
+            n, size = 0, 0
+            for rounds in machine.glob(f"*/{BUCKET}/{S3_PREFIX}/{PROJECT}/rounds"):
+                for folder in rounds.iterdir():
+                    if folder.name in live or not folder.is_dir():
+                        continue
+                    files = [p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")]
+                    if files:
+                        n += 1
+                        size += sum(p.stat().st_size for p in files)
+            out[machine.name] = (n, size / 1e6)
+        return out
 
     def plot(self) -> None:
         import matplotlib
@@ -840,13 +983,21 @@ class Soak:
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
-        roles = sorted({k for s in self.samples for k in s if k not in ("t", "round", "disk_mb")})
+        roles = sorted({k for s in self.samples for k in s if k not in SAMPLE_KEYS})
         for name in roles:
             t = [s["t"] for s in self.samples if name in s]
             axes[0].plot(t, [s[name][0] for s in self.samples if name in s], label=name, lw=0.8)
             axes[1].plot(t, [s[name][1] for s in self.samples if name in s], label=name, lw=0.8)
-        axes[2].plot([s["t"] for s in self.samples], [s["disk_mb"] for s in self.samples], color="k", lw=0.8)
-        for ax, label in zip(axes, ("RSS (MB)", "open fds", "BASE_DIR (MB)")):
+        disk = [s for s in self.samples if s["disk_mb"] is not None]
+        axes[2].plot([s["t"] for s in disk], [s["disk_mb"] for s in disk], color="k", lw=0.8,
+                     label="the bucket" if self.s3 else "BASE_DIR")
+        for m in sorted({m for s in self.samples for m in s.get("mirror_mb") or {}}):  # --storage s3
+            pts = [(s["t"], s["mirror_mb"][m]) for s in self.samples if m in (s.get("mirror_mb") or {})]
+            axes[2].plot([t for t, _ in pts], [d for _, d in pts], lw=0.6, label=f"mirror of {m}")
+        if self.s3:
+            axes[2].legend(fontsize=6, ncol=4)
+        for ax, label in zip(axes, ("RSS (MB)", "open fds",
+                                    "bucket, mirrors (MB)" if self.s3 else "BASE_DIR (MB)")):
             ax.set_ylabel(label)
             for f in self.faults:
                 if f.until:
@@ -864,9 +1015,7 @@ class Soak:
         out = [f"# Soak: {a.workers} workers x {a.rounds} rounds, seed {a.seed}, codec {a.codec}", "",
                f"`python bench/soak.py {' '.join(sys.argv[1:])}` — {self.now():.0f} s wall, {committed} rounds "
                f"committed, {len(self.faults)} faults of {len(kinds)} kinds ({', '.join(kinds)}), "
-               f"{len(violations)} invariant violations. Storage: "
-               f"{'SeaweedFS, one weed mount per process' if self.sw else 'throttlefs NFS-client mounts'}. Disk: "
-               f"{'a tmpfs of %d MB' % a.disk_mb if self.tmpfs else 'ENOSPC switched in the mounts'}.", "",
+               f"{len(violations)} invariant violations. Storage: {self.storage_words()}.", "",
                "## Faults", "", "| # | at (s) | kind | target | what | what the system did |",
                "|---|---|---|---|---|---|"]
         for i, f in enumerate(self.faults, 1):
@@ -890,6 +1039,17 @@ class Soak:
         return "\n".join(out)
 
 
+def s3_skip_reason() -> str | None:
+    """None when this machine can run --storage s3 (the `weed` binary and boto3: the storage extra; no FUSE)."""
+    if weed_binary() is None:
+        return "no `weed` binary: install the storage extra (pip install -c requirements/lock.txt -e '.[storage]')"
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        return "no boto3: install the storage extra (pip install -c requirements/lock.txt -e '.[storage]')"
+    return None
+
+
 def du(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
@@ -910,13 +1070,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="outer.compression (default none: θ replayed from the deltas; int8 / topk: θ followed the "
                          "workers' way and held against each round's checksum)")
     ap.add_argument("--out", default=None, help="the report's folder (default: a new temp folder)")
-    ap.add_argument("--storage", choices=("nfs", "seaweedfs"), default="nfs",
+    ap.add_argument("--storage", choices=("nfs", "seaweedfs", "s3"), default="nfs",
                     help="the shared disk: nfs (default: our FUSE emulation of NFS clients, bench/throttlefs.py, over "
-                         "a tmpfs) or seaweedfs (a real SeaweedFS on loopback, one weed mount per process; needs the "
-                         "storage extra; adds the fault kinds " + ", ".join(STORAGE_KINDS) + ")")
+                         "a tmpfs), seaweedfs (a real SeaweedFS on loopback, one weed mount per process; needs the "
+                         "storage extra; adds the fault kinds " + ", ".join(STORAGE_KINDS) + ") or s3 (BASE_DIR a "
+                         "bucket of SeaweedFS's S3 gateway, each process its own mirror; the storage extra, no FUSE; "
+                         "adds " + ", ".join(STORAGE_KINDS) + ", leaves out " + ", ".join(MOUNT_KINDS) + ")")
     ap.add_argument("--faults", nargs="+", choices=KINDS + STORAGE_KINDS, default=None, metavar="KIND",
                     help=f"fault kinds (default: all of {', '.join(KINDS)}; with --storage seaweedfs also "
-                         f"{', '.join(STORAGE_KINDS)})")
+                         f"{', '.join(STORAGE_KINDS)}; with --storage s3 those but {', '.join(MOUNT_KINDS)})")
     ap.add_argument("--bad-kinds", nargs="+", choices=BAD_KINDS, default=list(BAD_KINDS), metavar="KIND",
                     help=f"what a bad_delta fault publishes, drawn from these (default: all of {', '.join(BAD_KINDS)})")
     ap.add_argument("--freeze-s", type=float, default=20.0, help="how long freeze_storage lasts (default 20)")
@@ -936,7 +1098,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--disk-mb", type=int, default=256, help="size of the tmpfs BASE_DIR lies on (default 256)")
     ap.add_argument("--max-joins", type=int, default=2, help="workers that may join (default 2)")
     ap.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: 4 h; "
-                                                                 "--quick 420, 900 on SeaweedFS)")
+                                                                 "--quick 420, 900 on SeaweedFS or s3)")
     ap.add_argument("--sample-s", type=float, default=1.0, help="seconds between RSS / fd / disk samples")
     ap.add_argument("--first-fault", type=float, default=5.0, help="seconds before the first fault")
     a = ap.parse_args(argv)
@@ -947,12 +1109,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.max_faults = a.max_faults or (16 if q else 10 ** 6)
     a.every_rounds = a.every_rounds or (4 if q else 10 ** 9)
     # (on SeaweedFS every call crosses two FUSE layers and the filesystem's daemons share the cores: more time)
-    a.timeout = a.timeout or ((900.0 if a.storage == "seaweedfs" else 420.0) if q else 4 * 3600.0)
-    a.out = a.out or tempfile.mkdtemp(prefix="edt-soak-")
+    a.timeout = a.timeout or ((900.0 if a.storage in ("seaweedfs", "s3") else 420.0) if q else 4 * 3600.0)
     if a.faults is None:
-        a.faults = list(KINDS) + (list(STORAGE_KINDS) if a.storage == "seaweedfs" else [])
-    elif a.storage != "seaweedfs" and set(a.faults) & set(STORAGE_KINDS):
-        ap.error(f"{', '.join(STORAGE_KINDS)} need --storage seaweedfs")
+        a.faults = [k for k in KINDS if a.storage != "s3" or k not in MOUNT_KINDS] + (
+            list(STORAGE_KINDS) if a.storage in ("seaweedfs", "s3") else [])
+    elif a.storage == "nfs" and set(a.faults) & set(STORAGE_KINDS):
+        ap.error(f"{', '.join(STORAGE_KINDS)} need --storage seaweedfs or s3")
+    elif a.storage == "s3" and (mount := [k for k in a.faults if k in MOUNT_KINDS]):
+        one = len(mount) == 1  # one line, no usage block
+        ap.exit(2, f"soak: --faults {' '.join(mount)}: {'acts' if one else 'act'} on a process's FUSE mount, and with "
+                   f"--storage s3 no process has one (each talks to the bucket through its own mirror): leave "
+                   f"{'it' if one else 'them'} out\n")
+    a.out = a.out or tempfile.mkdtemp(prefix="edt-soak-")
     if a.no_faults:
         a.faults, a.max_faults = [], 0
     if a.workers < 2:

@@ -431,9 +431,16 @@ class ObjectStore:
         import shutil
 
         names = self.walk(folder, markers=True)  # the folder markers of its sub-folders too (else they stay listed)
-        names.sort(key=lambda n: (n.rsplit("/", 1)[-1] not in ("COMMITTED", MANIFEST), n.endswith("/"), n))
+        files = sorted((n for n in names if not n.endswith("/")),
+                       key=lambda n: (n.rsplit("/", 1)[-1] not in ("COMMITTED", MANIFEST), n))
+        # then every sub-folder's key, deepest first, marker or not, and the folder's own: a store with real
+        # folders (SeaweedFS's gateway) lists an emptied folder until a cleaner of its own removes it (30 s there,
+        # behind by minutes in a long run: every machine's mirror kept the pruned rounds); a key that is not there
+        # deletes as nothing on S3
+        subs = {n.rstrip("/") for n in names if n.endswith("/")}
+        subs |= {"/".join(n.split("/")[:i]) for n in files for i in range(1, n.count("/") + 1)}
         key = self.key(folder)
-        for n in [*names, ""]:  # "": the folder's own marker, last
+        for n in [*files, *(f"{d}/" for d in sorted(subs, key=lambda d: -d.count("/"))), ""]:
             k = f"{key}/{n}"
             self.call("unlink", folder, lambda: self.client.delete_object(Bucket=self.bucket, Key=k))
         self._folders = {f for f in self._folders if f != key and not f.startswith(key + "/")}
