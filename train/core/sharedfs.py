@@ -253,7 +253,7 @@ def _watched(op: str, path, fn: Callable[[], T]) -> T:
 
 def _watch() -> None:
     while True:
-        time.sleep(min(5.0, HUNG_SAY_AFTER_S / 2))
+        time.sleep(min(1.0, HUNG_SAY_AFTER_S / 2))
         now = time.monotonic()
         with _inflight_lock:
             late = [e for e in _inflight.values()
