@@ -98,3 +98,17 @@ def test_client_errors_map_to_what_the_protocol_expects(store):
     for code, status in (("SlowDown", 503), ("InternalError", 500), ("RequestTimeout", 400)):
         err = st._os_error(Fake(code, status), p, "write")
         assert type(err) is OSError and sharedfs.is_transient(err), code  # retried by sharedfs
+
+
+def test_a_timeout_or_a_refused_connection_is_transient(store):
+    """botocore's timeouts are OSErrors without an errno: mapped to EIO, which sharedfs retries (a frozen or
+    restarting server is waited out), not passed through as a permanent error."""
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
+
+    root, st = store
+    for e in (ReadTimeoutError(endpoint_url="http://127.0.0.1:9"), ConnectTimeoutError(endpoint_url="http://x"),
+              EndpointConnectionError(endpoint_url="http://127.0.0.1:9")):
+        err = st._os_error(e, root / "run" / "x", "read")
+        assert type(err) is OSError and sharedfs.is_transient(err), type(e).__name__
+    local = OSError(28, "No space left on device")  # the mirror's own disk: as it is (a full disk is waited out)
+    assert st._os_error(local, root / "run" / "x", "write") is local

@@ -256,7 +256,7 @@ def test_a_call_that_hangs_is_said_while_it_hangs_and_when_it_returns(monkeypatc
 
     class Seen(logging.Handler):
         def emit(self, record):
-            if "has been waiting" in record.getMessage():
+            if "has been in progress" in record.getMessage():
                 said.set()
     seen = Seen()
     logging.getLogger("sharedfs").addHandler(seen)
@@ -271,7 +271,7 @@ def test_a_call_that_hangs_is_said_while_it_hangs_and_when_it_returns(monkeypatc
         logging.getLogger("sharedfs").removeHandler(seen)
         release.set()
     text = caplog.text
-    assert "read /nfs/run/x has been waiting" in text and "read /nfs/run/x returned after" in text
+    assert "read /nfs/run/x has been in progress" in text and "read /nfs/run/x returned after" in text
 
 
 def test_a_call_that_computes_is_not_watched(monkeypatch, caplog):
@@ -279,4 +279,4 @@ def test_a_call_that_computes_is_not_watched(monkeypatch, caplog):
     caplog.set_level(logging.WARNING, "sharedfs")
     import time as time_
     sharedfs.retry("build the token cache in", "/nfs/run/data", lambda: time_.sleep(0.4), watch=False)
-    assert "waiting" not in caplog.text and "returned" not in caplog.text
+    assert "in progress" not in caplog.text and "returned" not in caplog.text

@@ -270,9 +270,12 @@ class ObjectStore:
                                f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE with ~/.aws/credentials)")
         from train.core.errors import UserError
 
-        if isinstance(e, (OSError, UserError)):  # the local side (the mirror's disk), or said already: as it is
-            return e
-        # a connection refused or reset, a timeout, a 5xx, a throttle: the storage's passing state (retried)
+        client_side = type(e).__module__.split(".")[0] in ("botocore", "urllib3", "s3transfer") or \
+            isinstance(getattr(e, "response", None), dict)  # a server's answer (ClientError and its kin)
+        if isinstance(e, UserError) or not client_side:
+            return e  # said already, the local side (the mirror's disk), or a bug: as it is
+        # a connection refused or reset, a timeout (botocore's ReadTimeoutError is an OSError without an errno), a
+        # 5xx, a throttle: the storage's passing state (retried)
         return OSError(errno.EIO, f"S3 {op} failed: {code or name} {str(e).splitlines()[0][:160]}", where)
 
     def call(self, op: str, path: str | os.PathLike, fn):
@@ -447,10 +450,36 @@ class ObjectStore:
         shutil.rmtree(folder, ignore_errors=True)
 
     def move(self, src: str | os.PathLike, dst: str | os.PathLike) -> None:
-        """An object renamed: a server-side copy (dst appears whole), then src deleted."""
+        """An object renamed: a server-side copy (dst appears whole; above PART_BYTES a multipart copy in parallel
+        parts: a single CopyObject can outlast a read timeout, and AWS refuses one above 5 GiB), then src
+        deleted."""
         skey, dkey = self.key(src), self.key(dst)
-        self.call("rename", src, lambda: self.client.copy_object(
-            Bucket=self.bucket, Key=dkey, CopySource={"Bucket": self.bucket, "Key": skey}))
+        size = int(self.call("rename", src, lambda: self.client.head_object(
+            Bucket=self.bucket, Key=skey))["ContentLength"])
+        source = {"Bucket": self.bucket, "Key": skey}
+        if size <= PART_BYTES:
+            self.call("rename", src, lambda: self.client.copy_object(Bucket=self.bucket, Key=dkey,
+                                                                     CopySource=source))
+        else:
+            up = self.call("rename", dst, lambda: self.client.create_multipart_upload(Bucket=self.bucket, Key=dkey))
+            uid, n = up["UploadId"], (size + PART_BYTES - 1) // PART_BYTES
+            try:
+                def part(i: int) -> dict:
+                    a, b = i * PART_BYTES, min(size, (i + 1) * PART_BYTES) - 1
+                    r = self.call("rename", dst, lambda: self.client.upload_part_copy(
+                        Bucket=self.bucket, Key=dkey, UploadId=uid, PartNumber=i + 1, CopySource=source,
+                        CopySourceRange=f"bytes={a}-{b}"))
+                    return {"PartNumber": i + 1, "ETag": r["CopyPartResult"]["ETag"]}
+                with ThreadPoolExecutor(min(PARALLEL, n), thread_name_prefix="s3-copy") as pool:
+                    parts = list(pool.map(part, range(n)))
+                self.call("rename", dst, lambda: self.client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=dkey, UploadId=uid, MultipartUpload={"Parts": parts}))
+            except BaseException:
+                try:
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=dkey, UploadId=uid)
+                except Exception:  # noqa: BLE001 - invisible either way
+                    pass
+                raise
         self.call("unlink", src, lambda: self.client.delete_object(Bucket=self.bucket, Key=skey))
         _unlink_quiet(self._sidecar(Path(dst)))
         try:
@@ -577,38 +606,40 @@ class ObjectStore:
             return fd
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(f".{local.name}.dl-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        wfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
-            def rng(i: int) -> None:
-                a = i * PART_BYTES
-                b = min(size, a + PART_BYTES) - 1
-                # IfMatch: every part of one version (a replace between two parts is a 412, the read is retried)
-                body = self.call("read", path, lambda: self.client.get_object(
-                    Bucket=self.bucket, Key=key, Range=f"bytes={a}-{b}", IfMatch=etag)["Body"].read())
-                if len(body) != b - a + 1:
-                    raise OSError(errno.EIO, f"S3 read returned {len(body)} of {b - a + 1} bytes", self.url_of(path))
-                os.pwrite(wfd, body, a)
+            # IfMatch: every byte of one version (a replace while it is read is a 412: FileExistsError, retried)
             if size <= PART_BYTES:
                 body = self.call("read", path, lambda: self.client.get_object(
                     Bucket=self.bucket, Key=key, IfMatch=etag)["Body"].read())
-                os.pwrite(wfd, body, 0)
-            else:
-                n = (size + PART_BYTES - 1) // PART_BYTES
-                with ThreadPoolExecutor(min(PARALLEL, n), thread_name_prefix="s3-down") as pool:
-                    list(pool.map(rng, range(n)))
+                with open(tmp, "wb") as f:
+                    f.write(body)
+            else:  # boto3's s3transfer: parallel ranged GETs streamed to the file (twice our own ranged reads'
+                # speed in bench/s3_clients.py), each range pinned to the version
+                from boto3.s3.transfer import TransferConfig
+
+                cfg = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES // 2,
+                                     max_concurrency=PARALLEL, use_threads=True)
+                self.call("read", path, lambda: self.client.download_file(self.bucket, key, os.fspath(tmp),
+                                                                         Config=cfg))
+                # s3transfer takes no If-Match: the version is checked after (objects here are replaced whole
+                # under a new name, never rewritten; a replace while it was read is read again)
+                again = self.call("open", path, lambda: self.client.head_object(Bucket=self.bucket, Key=key))
+                if again.get("ETag", "") != etag:
+                    raise FileExistsError(errno.EEXIST, "object replaced while read", self.url_of(path))
+            if os.path.getsize(tmp) != size:
+                raise OSError(errno.EIO, f"S3 read returned {os.path.getsize(tmp)} of {size} bytes",
+                              self.url_of(path))
+            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             os.replace(tmp, local)
         except FileExistsError:  # If-Match failed (412): the object was replaced while read
-            os.close(wfd)
             _unlink_quiet(tmp)
             raise OSError(errno.EIO, "object replaced while read", self.url_of(path)) from None
         except BaseException:
-            os.close(wfd)
             _unlink_quiet(tmp)
             raise
         self.note_local(local, etag)
         self._note_download(local, size)
-        os.lseek(wfd, 0, os.SEEK_SET)
-        return wfd
+        return fd
 
     def _note_download(self, local: Path, size: int) -> None:
         """Keep the mirror's downloaded copies within cache_bytes() (the one just opened always stays): a worker

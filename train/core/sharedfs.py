@@ -261,8 +261,8 @@ def _watch() -> None:
             for e in late:
                 e[3] = now
         for op, path, start, _ in late:
-            log.warning("shared disk: %s %s has been waiting %.0f s for the storage (a hung mount or a server "
-                        "that does not answer?); still waiting", op, path, now - start)
+            log.warning("shared disk: %s %s has been in progress %.0f s (a large transfer on a slow link, or a "
+                        "hung mount or a server that does not answer); still waiting", op, path, now - start)
 
 
 def _why(e: BaseException) -> str:
