@@ -17,8 +17,8 @@ S3Store with allow_http.
 Large objects (throughput, MB/s, a local file to an object and back to a local file, best and median of
 --repeats, the variants interleaved repeat by repeat):
   objstore     train/core/objstore.py itself: ObjectStore.upload (one PUT up to PART_BYTES, else a multipart upload
-               of PART_BYTES parts, PARALLEL in flight) and open_read (HEAD, then ranged GETs of PART_BYTES,
-               PARALLEL in flight, into the mirror)
+               of PART_BYTES parts, PARALLEL in flight) and open_read (HEAD, then one GET, or above PART_BYTES
+               boto3 s3transfer's ranged GETs, PARALLEL in flight, into the mirror)
   boto3 s3transfer   boto3's managed transfer: upload_file / download_file, TransferConfig with the same part size
                and concurrency
   obstore      obstore.put(Path, chunk_size = PART_BYTES, max_concurrency = PARALLEL); GET as objstore does it:
