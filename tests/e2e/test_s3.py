@@ -28,12 +28,12 @@ import pytest
 import torch
 
 from tests.helpers import REPO, TEST_THREADS, tiny_config
+from tests.helpers.cluster import ROUNDS, WORKERS, cluster_argv, cluster_config
 from tests.helpers.proc import held, kill_all, wait_until
 from tests.helpers.seaweed import SeaweedFS, free_port, seaweedfs, weed_binary
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.xdist_group("seaweed"), pytest.mark.timeout(300)]
 
-WORKERS, ROUNDS, H = 2, 4, 6
 PROJECT = "s3run"
 BUCKET = "edt-runs"
 STARTED = "training windows of"  # a DiLoCo worker's start line, after it restored its state
@@ -63,20 +63,11 @@ def sw(s3_ok, tmp_path):
 
 
 def _config(path: Path, codec: str = "none", **outer) -> Path:
-    cfg = tiny_config(path.parent / "unused", outer={"rounds": ROUNDS, "local_steps": H, "num_workers": WORKERS,
-                                                      "min_workers": WORKERS, "compression": codec, **outer},
-                      edt={"max_generations": 2, "mutation_steps": 4, "job_lease_s": 60})
-    cfg.pop("base_dir", None)
-    path.write_text(json.dumps(cfg))
-    return path
+    return cluster_config(path, codec, **outer)
 
 
 def _argv(strategy: str, cfg: Path, base: str, worker: int | None) -> list[str]:
-    sets = ["--set", f"base_dir={base}", "--set", f"project_name={PROJECT}"]
-    if worker is None:
-        return [str(REPO / f"{strategy}.py"), "--config", str(cfg), "--no-progress", *sets]
-    return ["-m", f"train.{strategy}.worker", "--config", str(cfg), "--worker", str(worker),
-            "--threads", str(TEST_THREADS), *sets]
+    return cluster_argv(strategy, cfg, base, PROJECT, worker)
 
 
 class Run:

@@ -15,7 +15,6 @@ test_edt_e2e.py. Skipped with the reason where FUSE or the `weed` binary (the `s
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -26,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, TEST_THREADS, tiny_config
+from tests.helpers import REPO, TEST_THREADS
+from tests.helpers.cluster import ROUNDS, WORKERS, cluster_argv, cluster_config
 from tests.helpers.proc import held, in_round_with_state, kill_all, wait_until
 from tests.helpers.seaweed import SeaweedFS, seaweed_skip_reason, seaweedfs
 from train.core.store import read_jsonl
@@ -36,26 +36,16 @@ from train.exchange.store import DiLoCoPaths
 # one xdist worker: the plain-disk runs are module fixtures; each test starts its own SeaweedFS
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.xdist_group("seaweed"), pytest.mark.timeout(300)]
 
-WORKERS, ROUNDS, H = 2, 4, 6
 PROJECT = "sw"
 STARTED = "training windows of"  # a DiLoCo worker's start line, after it restored its state (train/diloco/worker.py)
 
 
 def _config(path: Path, strategy: str, codec: str = "none", **outer) -> Path:
-    cfg = tiny_config(path.parent / "unused", outer={"rounds": ROUNDS, "local_steps": H, "num_workers": WORKERS,
-                                                      "min_workers": WORKERS, "compression": codec, **outer},
-                      edt={"max_generations": 2, "mutation_steps": 4, "job_lease_s": 60})
-    cfg.pop("base_dir", None)
-    path.write_text(json.dumps(cfg))
-    return path
+    return cluster_config(path, codec, **outer)
 
 
 def _argv(strategy: str, cfg: Path, base: Path, worker: int | None) -> list[str]:
-    sets = ["--set", f"base_dir={base}", "--set", f"project_name={PROJECT}"]
-    if worker is None:
-        return [str(REPO / f"{strategy}.py"), "--config", str(cfg), "--no-progress", *sets]
-    return ["-m", f"train.{strategy}.worker", "--config", str(cfg), "--worker", str(worker),
-            "--threads", str(TEST_THREADS), *sets]
+    return cluster_argv(strategy, cfg, base, PROJECT, worker)
 
 
 class Run:
