@@ -8,6 +8,7 @@ import subprocess
 import pytest
 import torch
 
+from tests.helpers.deltas import publish_round0_deltas
 from tests.helpers import REPO, tiny_config
 from tests.helpers.proc import (held, kill_sim_at_random_moments, progress_of, run_script, script_cmd, wait_until,
                                 wait_until_workers_gone)
@@ -87,22 +88,7 @@ def test_coordinator_crash_mid_commit_leaves_nothing_trusted_and_recomputes_iden
     co = Coordinator(cfg, progress=False)
     co.setup()
     paths = co.paths
-    theta = load_tensors(paths.global_dir(0) / "model.safetensors")
-    from train.core.store import PROTOCOL_VERSION, atomic_write_json
-    from train.exchange.protocol import write_delta
-    for w in (0, 1):
-        g = torch.Generator().manual_seed(w)
-        d = {k: torch.randn(v.shape, generator=g) * 0.01 for k, v in theta.items()}
-        if codec == "none":
-            sha = save_streaming(paths.delta_file(0, w), d)
-        else:  # as a worker writes it: θ_r − θ_w, encoded
-            sha = write_delta(paths.delta_file(0, w), list(theta), theta, {k: theta[k] - d[k] for k in theta},
-                              co.master.delta_codec, 0, w)["sha256"]
-        off, n = co.layout.slice(0, w)  # the data slice the delta says it was trained on
-        atomic_write_json(paths.delta_meta(0, w), {"protocol": PROTOCOL_VERSION, "round": 0, "worker": w,
-                                                   "inner_steps": 5, "tokens": 100, "loss": 1.0, "sha256": sha,
-                                                   "bytes": paths.delta_file(0, w).stat().st_size,
-                                                   "data": {"segment": 0, "offset": off, "windows": n, "read": n}})
+    publish_round0_deltas(co, codec)
     from train.exchange import fused, outer
 
     # the step, piece by piece (train/exchange/master.py _step_full, _step_coded): torch's ops or the fused kernels

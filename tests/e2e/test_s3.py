@@ -29,6 +29,7 @@ import torch
 
 from tests.helpers import REPO, TEST_THREADS, tiny_config
 from tests.helpers.cluster import ROUNDS, WORKERS, cluster_argv, cluster_config
+from tests.helpers.deltas import publish_round0_deltas
 from tests.helpers.proc import held, kill_all, wait_until
 from tests.helpers.seaweed import SeaweedFS, free_port, seaweedfs, weed_binary
 
@@ -275,9 +276,7 @@ def test_s3_coordinator_killed_between_the_step_and_the_commit_redoes_the_round_
     process dies before COMMITTED. Nothing of round 1 is trusted; the next coordinator redoes the step to the same
     bytes."""
     from train.config.loader import build_config
-    from train.core import sharedfs
-    from train.core.store import PROTOCOL_VERSION, atomic_write_json, read_json
-    from train.core.tensorio import load_tensors, save_streaming
+    from train.core.store import read_json
     from train.diloco.coordinator import Coordinator
     import train.diloco.coordinator as coord_mod
 
@@ -290,16 +289,7 @@ def test_s3_coordinator_killed_between_the_step_and_the_commit_redoes_the_round_
     co = Coordinator(cfg, progress=False)
     co.setup()
     paths = co.paths
-    theta = load_tensors(paths.global_dir(0) / "model.safetensors")
-    for w in (0, 1):
-        g = torch.Generator().manual_seed(w)
-        sha = save_streaming(paths.delta_file(0, w), {k: torch.randn(v.shape, generator=g) * 0.01
-                                                      for k, v in theta.items()})
-        off, n = co.layout.slice(0, w)
-        atomic_write_json(paths.delta_meta(0, w), {"protocol": PROTOCOL_VERSION, "round": 0, "worker": w,
-                                                   "inner_steps": 5, "tokens": 100, "loss": 1.0, "sha256": sha,
-                                                   "bytes": sharedfs.stat(paths.delta_file(0, w)).st_size,
-                                                   "data": {"segment": 0, "offset": off, "windows": n, "read": n}})
+    publish_round0_deltas(co)
     real_commit = coord_mod.commit
 
     def die(*a, **k):

@@ -475,9 +475,7 @@ def create_new(path: str | os.PathLike, data: bytes) -> bool:
         except FileExistsError:
             return False
         try:
-            view, done = memoryview(data).cast("B"), 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], done)
+            _pwrite_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -534,7 +532,7 @@ def rmtree(folder: str | os.PathLike) -> None:
     if (store := objstore.store_for(folder)) is not None:
         retry("remove", folder, lambda: store.delete_tree(folder))
         return
-    if objstore.mirror_store(folder) is None and folder.name.startswith("."):
+    if folder.name.startswith("."):
         shutil.rmtree(folder, ignore_errors=True)  # a temp folder of this process: nobody else reads it
         return
     trash = folder.with_name(f".{folder.name}.deleting-{os.getpid()}")
@@ -662,10 +660,7 @@ def write_file(path: str | os.PathLike, data: bytes | Any, *, durable: bool = Tr
     def once() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(data).cast("B")
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], done)
+            _pwrite_all(fd, data)
             if durable:
                 os.fsync(fd)
         except OSError as e:
@@ -675,6 +670,13 @@ def write_file(path: str | os.PathLike, data: bytes | Any, *, durable: bool = Tr
         finally:
             os.close(fd)
     retry("write", path, once)
+
+
+def _pwrite_all(fd: int, data) -> None:
+    """All of `data` from offset 0 of the new file `fd` (a short write goes on where it stopped)."""
+    view, done = memoryview(data).cast("B"), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], done)
 
 
 def _truncate(fd: int, size: int = 0) -> None:
