@@ -26,12 +26,12 @@ from pathlib import Path
 
 from train.diloco.optimizer import DiLoCoOptimizer, load_global  # noqa: F401  (public API)
 from train.exchange.outer import average_deltas, diloco_round, outer_step, outer_step_tensor  # noqa: F401  (public API)
-from train.core.store import RunPaths, read_jsonl
+from train.core.store import RunPaths, base_path, read_jsonl
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
     """The metrics.jsonl records of a run folder (BASE_DIR/<project>), one per committed round."""
-    return read_jsonl(RunPaths(run_dir).metrics)
+    return read_jsonl(RunPaths(base_path(run_dir)).metrics)  # a folder, or s3://bucket/prefix/<project>
 
 
 def main() -> int:

@@ -27,13 +27,13 @@ from train.edt.genes import (GENES, crossover_dna, decode, fitness_function, mut
 from train.edt.lineage import load_lineage, load_population, plot_fitness, plot_lineage  # noqa: F401
 from train.merge.crossover import (curve_value, interpolate, lerp, merge_files, outer_sgd_crossover,  # noqa: F401
                                    outer_sgd_tensor, slerp, t_for)
-from train.core.store import RunPaths, read_jsonl
+from train.core.store import RunPaths, base_path, read_jsonl
 from train.launch.cli import add_edt_args  # noqa: F401  (public: the EDT flags, for scripts that wrap edt.py)
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
     """The metrics.jsonl records of an EDT run folder (BASE_DIR/<project>), one per evaluated generation."""
-    return read_jsonl(RunPaths(run_dir).metrics)
+    return read_jsonl(RunPaths(base_path(run_dir)).metrics)  # a folder, or s3://bucket/prefix/<project>
 
 
 def main() -> int:

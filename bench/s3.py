@@ -280,10 +280,13 @@ class Storage:
         self.proxies.append(proxy)
         return {**self.sw.s3_env(), "AWS_ENDPOINT_URL": proxy.url, "EDT_S3_CACHE": mirror}
 
-    def read(self, row: str, name: str) -> bytes:
+    def metrics(self, row: str, name: str = "metrics.jsonl") -> list[dict]:
+        """A journal of the run (metrics.jsonl, timeline.jsonl), read as a machine outside the run reads it."""
+        from train.core.journal import read_jsonl
+
         if self.name == "plain":
-            return (Path(self.base(row)) / PROJECT / name).read_bytes()
-        return self.sw.s3_client().get_object(Bucket=BUCKET, Key=f"{row}/{PROJECT}/{name}")["Body"].read()
+            return read_jsonl(Path(self.base(row)) / PROJECT / name)
+        return self.sw.journal(BUCKET, f"{row}/{PROJECT}/{name}")
 
     def close(self) -> None:
         for p in self.proxies:
@@ -360,7 +363,7 @@ def micro_run(st: Storage, codec: str, args, tmp: Path, rep: int = 0) -> dict:
     if bad:
         tails = "\n".join(f"--- {k}\n{(logs / f'{k}.log').read_text(errors='replace')[-2500:]}" for k in procs)
         raise SystemExit(f"s3: row {st.name}/{codec} failed (exit codes {bad}):\n{tails}")
-    recs = [json.loads(x) for x in st.read(row, "metrics.jsonl").decode().splitlines() if x.strip()]
+    recs = st.metrics(row)
     recs = sorted((r for r in recs if "round" in r and "time" in r), key=lambda r: r["round"])
     steady = [r for r in recs if r["round"] >= 2]
     gaps = [b["time"] - a["time"] for a, b in zip(recs[1:], recs[2:])]
@@ -371,7 +374,7 @@ def micro_run(st: Storage, codec: str, args, tmp: Path, rep: int = 0) -> dict:
            "workers_read": statistics.median(r["worker_bytes_read"] for r in steady),
            "workers_written": statistics.median(r["worker_bytes_written"] for r in steady)}
     # where a round's time goes (timeline.jsonl: per delta its worker's times; `closed` after the commit)
-    tl = [json.loads(x) for x in st.read(row, "timeline.jsonl").decode().splitlines() if x.strip()]
+    tl = st.metrics(row, "timeline.jsonl")
     tl = [t for t in tl if t.get("round", 0) >= 1 and t.get("deltas")]
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
     out["train_s"] = med([d["train_seconds"] for t in tl for d in t["deltas"]])

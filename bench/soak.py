@@ -815,10 +815,11 @@ class Soak:
             self.observe(f, rows)
             if (why := self.caught_up(f)):
                 violations.append(why)
-        for name in ("metrics.jsonl", "timeline.png"):  # the screen's figures of every round, the run's picture
-            with contextlib.suppress(OSError):
-                if sharedfs.exists(self.run / name):
-                    (self.out / name).write_bytes(sharedfs.read_bytes(self.run / name))
+        with contextlib.suppress(OSError):  # the screen's figures of every round, the run's picture
+            (self.out / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
+                                                            for r in read_jsonl(self.run / "metrics.jsonl")))
+            if sharedfs.exists(self.run / "timeline.png"):
+                (self.out / "timeline.png").write_bytes(sharedfs.read_bytes(self.run / "timeline.png"))
         self.plot()
         kinds = sorted({f.kind for f in self.faults})
         committed = len(set(rounds))

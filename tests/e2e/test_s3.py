@@ -16,6 +16,7 @@ boto3 (the `storage` extra) is missing. No FUSE needed.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -183,7 +184,11 @@ def test_s3_diloco_gives_the_plain_disk_model(s3_ok, plain, sw, tmp_path, codec)
     keys = _keys(sw)
     assert not [k for k in keys if "/." in k or k.startswith(".")], "a temp name was uploaded"
     # pruning deletes objects: only the kept rounds (outer.keep_rounds) and round 0 are in the bucket
-    assert f"runs/{PROJECT}/metrics.jsonl" in keys and f"runs/{PROJECT}/final/MANIFEST.json" in keys
+    assert f"runs/{PROJECT}/final/MANIFEST.json" in keys
+    # the metrics journal: one object a record, never rewritten (train/core/journal.py)
+    assert [r["round"] for r in sw.journal(BUCKET, f"runs/{PROJECT}/metrics.jsonl") if "round" in r][-ROUNDS:] == \
+        list(range(1, ROUNDS + 1))
+    assert not [k for k in keys if k.endswith(".jsonl") and ".jsonl.d/" not in k], "a journal written whole"
     for w in range(WORKERS):
         thetas = list((tmp_path / "machines" / f"worker-{w}").rglob("global/model.safetensors"))
         assert len(thetas) <= 3, f"worker {w}'s mirror keeps {len(thetas)} θ: {thetas}"
@@ -331,8 +336,7 @@ def test_s3_storage_server_frozen_20s_mid_run_is_waited_out(s3_ok, plain, sw, tm
             time.sleep(20)  # the fault's length, not a wait for an event
 
     _run(tmp_path, _fault_config(tmp_path), "diloco", sw, during=freeze)
-    rows = [json.loads(x) for x in _object(sw, f"runs/{PROJECT}/metrics.jsonl").decode().splitlines() if x]
-    rows = [r for r in rows if r.get("round", 0) > 0]
+    rows = [r for r in sw.journal(BUCKET, f"runs/{PROJECT}/metrics.jsonl") if r.get("round", 0) > 0]
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))
     assert not [r for r in rows if r.get("missing")], "a round went on without a worker"
     _same(_final_bytes(sw, tmp_path), want)
@@ -382,3 +386,62 @@ def test_s3_bad_input_one_line_each_and_nothing_written(s3_ok, sw, tmp_path):
     r = _sim(tmp_path / "f", f"s3://{BUCKET}/runs", env, strategy="edt")
     _one_line_error(r, "holds a DiLoCo run", "project_name")
     assert {k: _object(sw, k) for k in _keys(sw)} == before, "the refused run changed the other run's objects"
+
+
+def test_s3_journal_survives_late_copies_and_a_second_writer(s3_ok, sw, tmp_path, monkeypatch):
+    """A journal on a bucket (train/core/journal.py), in process: appends across chunk boundaries read back in order;
+    a late copy of an append's PUT (a request that timed out on the client and landed after all, the CI finding:
+    round 3's line lost) leaves every record once, before and after its chunk replaced it; a second writer that
+    took the next number makes this one take the one after; a single left beside its chunk is read once."""
+    from train.core import journal, objstore
+
+    for k, v in sw.s3_env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("EDT_S3_CACHE", str(tmp_path / "mirror"))
+    monkeypatch.setattr(journal, "CHUNK", 4)
+    root = objstore.attach(f"s3://{BUCKET}/j")
+    path = root / "metrics.jsonl"
+    assert journal.read_jsonl(path) == []
+    for r in range(6):
+        journal.append_jsonl(path, {"round": r})
+    names = sorted(k.rsplit("/", 1)[1] for k in _keys(sw, "j/metrics.jsonl.d/") if not k.endswith("/"))
+    assert names == ["00000000-00000003.jsonl", "00000004-00000004.jsonl", "00000005-00000005.jsonl"]
+    # late copies: of a single already folded into its chunk (it reappears beside it), and of the newest single
+    client = sw.s3_client()
+    for r in (2, 5):
+        client.put_object(Bucket=BUCKET, Key=f"j/metrics.jsonl.d/{r:08d}-{r:08d}.jsonl", Body=f'{{"round": {r}}}\n')
+    want = [{"round": r} for r in range(6)]
+    assert journal.read_jsonl(path) == want
+    assert sw.journal(BUCKET, "j/metrics.jsonl") == want  # a machine outside the run, its own client
+    # another writer took number 6 after this one listed the folder: this record goes to 7
+    real, calls = journal.sharedfs.listdir, []
+
+    def stale_once(folder):
+        calls.append(folder)
+        names = real(folder)
+        return [n for n in names if not n.startswith("00000006-")] if len(calls) == 1 else names
+
+    client.put_object(Bucket=BUCKET, Key="j/metrics.jsonl.d/00000006-00000006.jsonl", Body=b'{"round": "other"}\n')
+    monkeypatch.setattr(journal.sharedfs, "listdir", stale_once)
+    journal.append_jsonl(path, {"round": 6})
+    monkeypatch.setattr(journal.sharedfs, "listdir", real)
+    got = journal.read_jsonl(path)
+    assert got == want + [{"round": "other"}, {"round": 6}]
+    assert "00000004-00000007.jsonl" in [k.rsplit("/", 1)[1] for k in _keys(sw, "j/metrics.jsonl.d/")]
+    # an append whose PUT landed though the client saw a timeout: its retry finds its own bytes, written once
+    store = objstore.store_for(path)
+    real_put, failed = store.put_bytes, []
+
+    def put_then_time_out(p, data, **kw):
+        real_put(p, data, **kw)
+        if not failed:
+            failed.append(p)
+            raise OSError(errno.EIO, "S3 write failed: ReadTimeoutError (the test's)", str(p))
+        return ""
+
+    monkeypatch.setattr(store, "put_bytes", put_then_time_out)
+    journal.append_jsonl(path, {"round": 7})
+    assert failed and journal.read_jsonl(path) == got + [{"round": 7}]
+    import diloco  # the notebook API reads a run on a bucket by its URL
+
+    assert diloco.load_metrics(f"s3://{BUCKET}/j") == got + [{"round": 7}]

@@ -262,6 +262,16 @@ class SeaweedFS:
         return boto3.client("s3", endpoint_url=self.url("s3"), aws_access_key_id=S3_KEY,
                             aws_secret_access_key=S3_SECRET, region_name="us-east-1")
 
+    def journal(self, bucket: str, key: str) -> list[dict]:
+        """The records of the journal `key` (e.g. runs/p/metrics.jsonl) in `bucket`: its parts (train/core/journal.py)
+        read with this test's own client."""
+        from train.core.journal import read_parts
+
+        c, folder = self.s3_client(), key + ".d/"
+        pages = c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=folder)
+        names = [o["Key"][len(folder):] for p in pages for o in p.get("Contents") or []]
+        return read_parts(names, lambda name: c.get_object(Bucket=bucket, Key=folder + name)["Body"].read())
+
     def make_bucket(self, name: str) -> str:
         self.s3_client().create_bucket(Bucket=name)
         return name

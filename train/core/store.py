@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from train.core import objstore, sharedfs
+from train.core.journal import append_jsonl, read_jsonl  # noqa: F401  (the protocol's journals, re-exported)
 from train.core.errors import ProtocolError  # noqa: F401  (raised here)
 
 PROTOCOL_VERSION = 1
@@ -375,58 +376,3 @@ def wait_for(predicate: Callable[[], Any], timeout: float | None, poll: float,
         if deadline is not None and time.monotonic() >= deadline:
             return None
         time.sleep(poll)
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    """Append one line (a single write of a whole line; only the coordinator appends to a given file). A retry
-    after a transient error first checks whether the line already landed, so a record is never written twice."""
-    sharedfs.makedirs(path.parent)
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    tried = [False]
-    if objstore.store_for(path) is not None:  # an object store: the whole object written again with the line
-        def put() -> None:
-            data = sharedfs.read_bytes(path) if sharedfs.exists(path) else b""
-            if tried[0] and data.endswith(line):
-                return
-            if data and not data.endswith(b"\n"):
-                data += b"\n"
-            tried[0] = True
-            sharedfs.write_file(path, data + line)
-        sharedfs.retry("append", path, put)
-        return
-
-    def once() -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            data = line
-            if size:
-                tail = os.pread(fd, len(line) + 1, max(0, size - len(line) - 1))
-                if tried[0] and tail.endswith(line) and (len(tail) <= len(line) or tail[-len(line) - 1:][:1] == b"\n"):
-                    return  # the attempt that failed landed after all
-                if not tail.endswith(b"\n"):
-                    data = b"\n" + line  # a crash tore the last line: never glue the next record onto it
-            tried[0] = True
-            try:
-                os.pwrite(fd, data, size)
-                os.fsync(fd)
-            except OSError as e:
-                if sharedfs.is_disk_full(e):  # nothing torn stays behind while it waits for space
-                    os.ftruncate(fd, size)
-                raise
-        finally:
-            os.close(fd)
-    sharedfs.retry("append", path, once)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Read a jsonl file, skipping a torn last line (a crash mid-append)."""
-    out = []
-    if not sharedfs.exists(path):
-        return out
-    for line in sharedfs.read_text(path).splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out

@@ -12,14 +12,14 @@ from pathlib import Path
 from train.core import sharedfs
 from train.core.plot import save_figure
 from train.edt.store import EDTPaths, parse_member_id
-from train.core.store import read_json, read_jsonl
+from train.core.store import base_path, read_json, read_jsonl
 
 
 def load_lineage(run_dir: str | Path) -> list[dict]:
     """Genomes (id, generation, member, parents, dna, hyper, mutated, elite, fitness, eval_loss, path), one per
     evaluated member, in the order they were evaluated (the last record of an id wins after a resume)."""
     by_id: dict[str, dict] = {}
-    for rec in read_jsonl(EDTPaths(run_dir).lineage):
+    for rec in read_jsonl(EDTPaths(base_path(run_dir)).lineage):  # a folder, or s3://bucket/prefix/<project>
         by_id[rec["id"]] = rec
     return sorted(by_id.values(), key=lambda r: (r["generation"], r["member"]))
 
@@ -27,7 +27,7 @@ def load_lineage(run_dir: str | Path) -> list[dict]:
 def load_population(run_dir: str | Path, generation: int | None = None) -> list[dict]:
     """The evaluated members of one generation: their genome plus `model_dir` (a from_pretrained-loadable folder,
     or None when disk cleanup removed it) and `result` (the worker's result.json, when still on disk)."""
-    paths = EDTPaths(run_dir)
+    paths = EDTPaths(base_path(run_dir))
     lineage = load_lineage(run_dir)
     if generation is None:
         gens = [r["generation"] for r in lineage]

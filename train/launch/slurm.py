@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.core import sharedfs
 from train.config import REPO_ROOT, ConfigError, load_config
 from train.core.errors import EnvironmentProblem, UserError
 from train.core.store import RunPaths, atomic_write_bytes, atomic_write_json, read_json, read_jsonl
@@ -117,8 +116,7 @@ def round_estimate(cfg, paths: RunPaths) -> tuple[float, str]:
     the coordinator gives a starting worker before it goes on without it (outer.startup_grace_s +
     outer.dead_after_s): a job shorter than that cannot finish even its first round with a worker that starts
     slowly."""
-    times = [r["time"] for r in read_jsonl(paths.metrics) if isinstance(r.get("time"), (int, float))] \
-        if sharedfs.is_file(paths.metrics) else []
+    times = [r["time"] for r in read_jsonl(paths.metrics) if isinstance(r.get("time"), (int, float))]
     gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
     if gaps:
         return statistics.median(gaps), f"the median of this run's last {len(gaps[-20:])} measured rounds " \
