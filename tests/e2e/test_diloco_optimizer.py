@@ -3,6 +3,7 @@ worker processes in a user's own loop giving the coordinator-based run's global 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from functools import partial
 
@@ -198,6 +199,14 @@ def test_two_worker_processes_match_the_coordinator_run(tmp_path):
         assert y["tokens"] == x["tokens"]
         for w in ("w000", "w001"):
             assert y["worker_loss"][w] == pytest.approx(x["worker_loss"][w], rel=1e-5)
+    # the workers' leases (train/core/heartbeat.py): `status` shows each one's last round, and who reduced
+    st = subprocess.run(script_cmd("-m", "train.status", str(opt_paths.root)), capture_output=True, text=True,
+                        timeout=120, cwd=REPO)
+    assert st.returncode == 0, st.stdout + st.stderr
+    assert "coordinator: none (a DiLoCoOptimizer run: worker 0 reduces)" in st.stdout, st.stdout
+    assert "round 3 committed" in st.stdout and "/0 committed" not in st.stdout, st.stdout
+    for w in ("w000", "w001"):
+        assert re.search(rf"^\s+{w}\s+exited\s", st.stdout, re.M), st.stdout
 
 
 @pytest.mark.slow

@@ -59,5 +59,10 @@ def test_a_full_base_dir_mid_run_is_waited_out_without_restarts(tmp_path):
         assert paths.latest_committed() == R
         recs = read_jsonl(paths.metrics)
         assert [r["round"] for r in recs] == list(range(R + 1))
-        assert all(not r.get("rejected") and len(r.get("screen") or {}) in (0, 3) for r in recs), recs  # healthy
+        # healthy for the screen: nothing rejected, every delta averaged was screened. A worker whose lease could not
+        # be written for longer than dead_after_s (HOLD_S > 4 s) may have been judged dead for one round and
+        # left out (docs/protocol.md, "A full disk"): a round of 2 deltas then, never fewer than min_workers
+        unhealthy = [r for r in recs[1:] if r.get("rejected") or len(r.get("workers_used") or []) < 2
+                     or len(r.get("screen") or {}) not in (0, len(r["workers_used"]))]
+        assert not unhealthy, json.dumps(unhealthy, indent=1)
         verify_manifest(paths.final)

@@ -445,3 +445,89 @@ def test_s3_journal_survives_late_copies_and_a_second_writer(s3_ok, sw, tmp_path
     import diloco  # the notebook API reads a run on a bucket by its URL
 
     assert diloco.load_metrics(f"s3://{BUCKET}/j") == got + [{"round": 7}]
+
+
+_CHILD = """
+import os, signal, sys
+from train.core import objstore
+objstore.attach(sys.argv[1])
+print("worker 0 trained its windows", flush=True)
+if not os.path.exists(sys.argv[2]):  # the first life dies by SIGKILL (nothing of it is shipped: no atexit)
+    open(sys.argv[2], "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
+print("worker 0 finished", flush=True)
+"""
+
+
+def test_s3_a_log_and_its_supervisors_restarts_reach_another_machine(s3_ok, sw, tmp_path, monkeypatch):
+    """A worker's output goes to logs/worker-000.log in its machine's mirror; its supervisor restarts it after a
+    SIGKILL. From another machine (its own mirror, no log file), `status`'s log tail and restart count read the
+    bucket's copy (train/core/logship.py): the restarted worker shipped the file, the supervisor's line included."""
+    from train.core import objstore
+    from train.exchange.store import DiLoCoPaths
+    from train.launch.procs import supervised_argv
+    from train.status.view import restarts_of
+    from train.status.timeline import log_tail
+
+    url = f"s3://{BUCKET}/logs-run/p"
+    env = dict(os.environ, **sw.s3_env(), EDT_S3_CACHE=str(tmp_path / "m1"))
+    mirror = Path(subprocess.run([sys.executable, "-c", f"from train.core import objstore; "
+                                  f"print(objstore.mirror_of({url!r}))"], env=env, cwd=REPO, text=True,
+                                 capture_output=True, check=True).stdout.strip())
+    logf = mirror / "logs" / "worker-000.log"
+    logf.parent.mkdir(parents=True)
+    argv = supervised_argv(sys.executable, [sys.executable, "-c", _CHILD, url, str(tmp_path / "died-once")], 1,
+                           "worker 0")
+    with open(logf, "ab") as out:
+        rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=120).returncode
+    assert rc == 0, logf.read_text()
+    assert "worker 0 exited with signal 9; restart 1/1" in logf.read_text()
+
+    for k, v in sw.s3_env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("EDT_S3_CACHE", str(tmp_path / "m2"))
+    root = objstore.attach(url)
+    paths = DiLoCoPaths(root)
+    assert not paths.worker_log(0).exists()
+    tail = log_tail(paths.worker_log(0))
+    assert "worker 0 finished" in tail and "restart 1/1" in tail, tail
+    assert restarts_of(paths, 0) == 1
+    assert log_tail(paths.worker_log(1)) == ""  # no such log anywhere
+
+
+_OPT = """
+import sys, time, torch
+from train.diloco.optimizer import DiLoCoOptimizer
+torch.manual_seed(0)
+opt = DiLoCoOptimizer(torch.nn.Linear(4, 4), base_dir=sys.argv[1], run_id="opt", worker=0, num_workers=2,
+                      num_inner_steps=5, inner_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                      outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True))
+print("joined", flush=True)
+time.sleep(float(sys.argv[2]))
+opt.close()
+"""
+
+
+def test_s3_diloco_optimizer_one_process_per_worker_id_across_machines(s3_ok, sw, tmp_path):
+    """DiLoCoOptimizer on a bucket: worker 0 live on one machine (its own mirror), a second worker 0 on another
+    machine is refused by the worker's lease (a lock file holds on one machine only); once the first is SIGKILLed,
+    the same command joins."""
+    url = f"s3://{BUCKET}/opt-runs"
+
+    def env(machine: str) -> dict:
+        return dict(os.environ, **sw.s3_env(), EDT_S3_CACHE=str(tmp_path / machine), OMP_NUM_THREADS="1")
+
+    first = subprocess.Popen([sys.executable, "-c", _OPT, url, "300"], cwd=REPO, env=env("m1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert first.stdout.readline().decode().strip() == "joined"
+        second = subprocess.run([sys.executable, "-c", _OPT, url, "0"], cwd=REPO, env=env("m2"),
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0, second.stdout
+        assert "worker 0 is already running" in second.stderr and "its lease" in second.stderr, second.stderr[-2000:]
+    finally:
+        first.kill()
+        first.wait(30)
+    again = subprocess.run([sys.executable, "-c", _OPT, url, "0"], cwd=REPO, env=env("m2"), capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0 and "joined" in again.stdout, again.stderr[-2000:]

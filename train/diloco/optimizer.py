@@ -43,6 +43,7 @@ explicit worker id. It speaks the coordinator's protocol (train/core/store.py) u
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -52,6 +53,7 @@ from typing import Any, Callable
 import torch
 
 from train.core.errors import NotFound, TimedOut
+from train.core.heartbeat import Heartbeat
 from train.core.model import WEIGHTS
 from train.exchange.protocol import commit, delta_sidecar, publish_sidecar, round_record, write_delta
 from train.exchange.reduce import arrived, param_order, prune_rounds, validate_and_reduce
@@ -130,6 +132,7 @@ class DiLoCoOptimizer:
         self.delta_dtype, self.token_weighted, self.keep_rounds = delta_dtype, token_weighted, keep_rounds
         self.paths = DiLoCoPaths(base_path(base_dir) / run_id)
         self._lock_f = NO_LOCK  # this worker's lock, taken when it first touches the run
+        self._hb: Heartbeat | None = None  # its lease (workers/wXXX/progress.json), from the same moment
         self._source = params if isinstance(params, torch.nn.Module) else None
         self.params = named_params(params)
         self.inner_optimizer = inner_optimizer(list(self.params.values()))
@@ -137,7 +140,7 @@ class DiLoCoOptimizer:
         self._outer_factory = outer_optimizer
         self.local_step = 0  # inner steps in the current round
         self.total_steps = 0  # inner steps this process has taken
-        self._losses: list[float] = []
+        self._losses: list = []  # this round's losses: floats, or detached 0-d tensors (no device sync per step)
         self._round_t0 = time.perf_counter()  # start of the current round (the sidecar's train_seconds)
         if worker == reducer:
             self._setup_outer()  # fail on a bad outer optimizer now, not after the first round of training
@@ -168,9 +171,12 @@ class DiLoCoOptimizer:
         if self.scheduler is not None:
             self.scheduler.step()
         if loss is not None:
-            self._losses.append(float(loss))
+            self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
         self.local_step += 1
         self.total_steps += 1
+        if self._hb is not None:  # recorded here, written by the lease's thread (`status` shows it)
+            self._hb.beat(status="training", round=self.round, step=self.local_step, steps=self.num_inner_steps,
+                          loss=self._losses[-1] if self._losses else None)
         if self.local_step >= self.num_inner_steps:
             self.sync()
         return out
@@ -190,7 +196,9 @@ class DiLoCoOptimizer:
         self.total_steps = int(sd.get("total_steps", 0))
 
     def close(self) -> None:
-        """Release this worker id (its lock); the process exiting does the same."""
+        """Release this worker id (its lock and lease); the process exiting does the same."""
+        if self._hb is not None:
+            self._hb.stop()
         self._lock_f.release()
 
     # -- joining the run ------------------------------------------------------------------------------------------
@@ -222,8 +230,16 @@ class DiLoCoOptimizer:
                  " (our delta of this round is already published)" if self._published else "")
 
     def _lock(self) -> None:
-        """One live process per worker id (flock on workers/wXXX/lock, held until this process exits)."""
-        self._lock_f = exclusive_lock(self.paths.worker_dir(self.worker) / "lock", f"worker {self.worker}")
+        """One live process per worker id: flock on workers/wXXX/lock, held until this process exits, and the
+        worker's lease (workers/wXXX/progress.json, beaten about every second by a thread: train/core/heartbeat.py),
+        which decides where the lock cannot (an object store, a disk without locks)."""
+        progress = self.paths.progress(self.worker)
+        self._lock_f = exclusive_lock(self.paths.worker_dir(self.worker) / "lock", f"worker {self.worker}",
+                                      lease=progress)
+        self._hb = Heartbeat(progress, self.worker)
+        self._hb.beat(force=True, status="joining")
+        self._hb.start_lease()
+        atexit.register(self._hb.stop)  # a loop that ends without close(): its last record still says "exited"
 
     def _write_round0(self) -> None:
         """θ_0 = this worker's parameters (float32, named), written once with a manifest, then committed."""
@@ -260,6 +276,8 @@ class DiLoCoOptimizer:
         self._names = param_order(self.paths, r)
 
     def _wait(self, pred: Callable[[], Any], what: str) -> Any:
+        if self._hb is not None:
+            self._hb.beat(status=f"waiting for the {what}", **({"round": self.round} if hasattr(self, "round") else {}))
         got = wait_for(pred, self.averaging_timeout, self.poll)
         if not got:
             raise TimedOut(f"worker {self.worker}: no {what} in {self.paths.root} after averaging_timeout = "
@@ -300,9 +318,10 @@ class DiLoCoOptimizer:
             log.warning("worker %d: round %d disappeared (reduced without us); rejoining", self.worker, r)
             return
         steps = max(self.local_step, 1)
-        loss = sum(self._losses) / len(self._losses) if self._losses else None
+        losses = [float(x) for x in self._losses]  # one sync a round
+        loss = sum(losses) / len(losses) if losses else None
         publish_sidecar(paths, delta_sidecar(r, self.worker, file, inner_steps=steps, tokens=self.batch_size * steps,
-                                             loss=loss, last_loss=self._losses[-1] if self._losses else None,
+                                             loss=loss, last_loss=losses[-1] if losses else None,
                                              train_seconds=time.perf_counter() - self._round_t0))
         self._published = True
 

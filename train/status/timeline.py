@@ -117,18 +117,29 @@ def read_progress(path: Path) -> dict:
 
 
 def log_tail(path: Path, nbytes: int = LOG_TAIL_BYTES) -> str:
-    """The last `nbytes` of a log on BASE_DIR ('' if there is none). On an object store the logs stay in each
-    machine's mirror (docs/object-store.md): this machine's copy, if it has one."""
+    """The last `nbytes` of a log on BASE_DIR ('' if there is none). On an object store: this machine's copy when it
+    writes that log (a copy at most one upload older than the bucket's), else the tail its writer put in the bucket
+    (train/core/logship.py)."""
     import os
 
-    from train.core import objstore
+    from train.core import logship, objstore
 
-    if objstore.store_for(path) is not None:
+    if (store := objstore.store_for(path)) is not None:
         try:
-            with open(path, "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - nbytes))
-                return f.read().decode("utf-8", "replace")
+            local = os.stat(path).st_mtime
         except OSError:
+            local = None
+        try:
+            remote = store.stat(path).st_mtime  # one HEAD, no retry loop: a view must not hang on the bucket
+        except Exception:  # noqa: BLE001  (no copy in the bucket, or the bucket away: this machine's, if any)
+            remote = None
+        try:
+            if local is not None and (remote is None or local >= remote - logship.SHIP_EVERY_S - 5):
+                with open(path, "rb") as f:
+                    f.seek(max(0, os.fstat(f.fileno()).st_size - nbytes))
+                    return f.read().decode("utf-8", "replace")
+            return store.read_bytes(path)[-nbytes:].decode("utf-8", "replace") if remote is not None else ""
+        except Exception:  # noqa: BLE001
             return ""
     if not sharedfs.exists(path):
         return ""

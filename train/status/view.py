@@ -132,6 +132,10 @@ def gather(root: str | Path, now: float | None = None, live: Liveness | None = N
     # the coordinator
     crec = read_progress(root / "coordinator" / "progress.json")
     c_dead = judge(crec, now, dead_after, live.silent_s("coordinator", crec, mono) if live else None)
+    kind = _run_kind(paths)
+    if kind.get("kind") == "diloco_optimizer" and not crec:  # a user's own loop: its reducer worker steps
+        c_dead = None
+        crec = {"status": f"none (a DiLoCoOptimizer run: worker {kind.get('reducer', 0)} reduces)"}
     coordinator = {"state": ("dead" if c_dead else crec.get("status") or "not started"),
                    "doing": crec.get("last_status") if crec.get("status") == "exited" else crec.get("status"),
                    "round": crec.get("round", crec.get("generation")), "host": crec.get("host"),
@@ -191,6 +195,15 @@ def gather(root: str | Path, now: float | None = None, live: Liveness | None = N
             "finished": sharedfs.exists(paths.final / "MANIFEST.json") or sharedfs.exists(root / "DONE.json"),
             "coordinator": coordinator, "workers": workers, "recent": rows, "problems": problems[-10:],
             "time": now}
+
+
+def _run_kind(paths) -> dict:
+    """run.json's identity (`kind`: diloco_optimizer for a DiLoCoOptimizer run), {} if unreadable."""
+    try:
+        ident = read_json(paths.run_json).get("identity")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return ident if isinstance(ident, dict) else {}
 
 
 def _last_delta(paths: DiLoCoPaths, w: int, lane, strategy: str) -> dict:
@@ -263,7 +276,8 @@ def _table(head: tuple, rows: list[tuple]) -> list[str]:
 def render(v: dict) -> str:
     unit = v["unit"]
     lines = [f"{v['project']} ({v['strategy']}) {v['run']}",
-             f"{unit} {v['committed'] if v['committed'] is not None else '-'}/{v['total']} committed"
+             f"{unit} {v['committed'] if v['committed'] is not None else '-'}"
+             + (f"/{v['total']}" if v["total"] else "") + " committed"
              + (", finished" if v["finished"] else f", ETA {_fmt_s(v['eta_s'])}" if v["eta_s"] is not None else "")]
     c = v["coordinator"]
     lines.append(f"coordinator: {c['state']}" + (f" (was {c['doing']})" if c["state"] == "exited" and c.get("doing")
