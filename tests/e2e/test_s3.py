@@ -213,6 +213,16 @@ def test_s3_edt_gives_the_plain_disk_model(s3_ok, plain, sw, tmp_path):
     cfg, want = plain("edt")
     _run(tmp_path, cfg, "edt", sw)
     _same(_final_bytes(sw, tmp_path), want)
+    # the notebook API from a machine that took no part: the run by its URL, the last generation's models local
+    code = ("import json, sys, edt, pathlib; url = sys.argv[1]; pop = edt.load_population(url); "
+            "print(json.dumps([len(edt.load_lineage(url)), len(edt.load_metrics(url)), "
+            "[bool(m['model_dir']) and pathlib.Path(m['model_dir'], 'model.safetensors').is_file() for m in pop]]))")
+    env = dict(os.environ, **sw.s3_env(), EDT_S3_CACHE=str(tmp_path / "machines" / "laptop"))
+    out = subprocess.run([sys.executable, "-c", code, f"s3://{BUCKET}/runs/{PROJECT}"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    n_lineage, n_metrics, local = json.loads(out.stdout.strip().splitlines()[-1])
+    assert n_lineage > 0 and n_metrics > 0 and local and all(local), out.stdout
 
 
 def test_s3_worker_sigkilled_mid_round_then_restarted_gives_the_plain_disk_model(s3_ok, plain, sw, tmp_path):

@@ -26,7 +26,8 @@ def load_lineage(run_dir: str | Path) -> list[dict]:
 
 def load_population(run_dir: str | Path, generation: int | None = None) -> list[dict]:
     """The evaluated members of one generation: their genome plus `model_dir` (a from_pretrained-loadable folder,
-    or None when disk cleanup removed it) and `result` (the worker's result.json, when still on disk)."""
+    or None when disk cleanup removed it; on an s3:// run, this machine's copy) and `result` (the worker's
+    result.json, when still on disk)."""
     paths = EDTPaths(base_path(run_dir))
     lineage = load_lineage(run_dir)
     if generation is None:
@@ -38,7 +39,8 @@ def load_population(run_dir: str | Path, generation: int | None = None) -> list[
     for rec in (r for r in lineage if r["generation"] == generation):
         mdir = paths.member_dir(generation, rec["member"])
         res = paths.result(generation, rec["member"])
-        out.append({**rec, "model_dir": str(mdir) if sharedfs.is_file(mdir / "model.safetensors") else None,
+        model = sharedfs.is_file(mdir / "model.safetensors")  # on a bucket: downloaded to this machine's mirror
+        out.append({**rec, "model_dir": str(sharedfs.local_copy(mdir)) if model else None,
                     "result": read_json(res) if sharedfs.is_file(res) else None})
     return out
 
