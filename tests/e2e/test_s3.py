@@ -83,18 +83,35 @@ class Run:
         self.labels = ["coordinator"] + [f"worker-{w}" for w in range(WORKERS)]
         self.procs: dict[str, subprocess.Popen] = {}
 
+    def log_file(self, label: str) -> Path:
+        """Where the process's output goes: on a bucket, its machine's mirror of logs/<role>.log, as
+        launch_to_machines.py puts it (train/core/logship.py ships it to the bucket); else a local folder."""
+        if not self.base.startswith("s3://"):
+            return self.logs / f"{label}.log"
+        from train.core import objstore
+
+        saved = dict(os.environ)
+        try:
+            os.environ.update(self.env, EDT_S3_CACHE=str(self.tmp / "machines" / label))
+            root = objstore.mirror_of(self.base)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        return root / PROJECT / "logs" / f"{label.replace('-', '-00')}.log"
+
     def start(self, label: str) -> subprocess.Popen:
         worker = None if label == "coordinator" else int(label.split("-")[1])
         env = dict(os.environ, OMP_NUM_THREADS=str(TEST_THREADS), **self.env,
                    EDT_S3_CACHE=str(self.tmp / "machines" / label))
-        with open(self.logs / f"{label}.log", "ab") as f:
+        self.log_file(label).parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file(label), "ab") as f:
             self.procs[label] = subprocess.Popen(
                 [sys.executable, *_argv(self.strategy, self.cfg, self.base, worker)], stdout=f,
                 stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
         return self.procs[label]
 
     def log(self, label: str) -> str:
-        return (self.logs / f"{label}.log").read_text(errors="replace")
+        return self.log_file(label).read_text(errors="replace")
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -200,6 +217,15 @@ def test_s3_diloco_gives_the_plain_disk_model(s3_ok, plain, sw, tmp_path, codec)
                         capture_output=True, text=True, timeout=120)
     assert st.returncode == 0 and f"s3://{BUCKET}/runs/{PROJECT}" in st.stdout, st.stdout + st.stderr
     assert f"round {ROUNDS}/{ROUNDS} committed, finished" in st.stdout, st.stdout
+    # every process's log, written on its own machine, read from the laptop (the bucket's copy: logship)
+    code = ("import sys; from train.core.store import base_path; from train.status.timeline import log_tail; "
+            "root = base_path(sys.argv[1]); print(*(repr(log_tail(root / 'logs' / n)[-3000:]) "
+            "for n in ('coordinator.log', 'worker-000.log', 'worker-001.log')), sep='\\n')")
+    tails = subprocess.run([sys.executable, "-c", code, f"s3://{BUCKET}/runs/{PROJECT}"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    coord, w0, w1 = tails.stdout.strip().splitlines()[-3:]
+    assert "final" in coord and STARTED in w0 and STARTED in w1, tails.stdout + tails.stderr
+    assert not list((tmp_path / "machines" / "laptop").rglob("*.log")), "the laptop's mirror kept a log"
     for flag, want in (("--write-token", "written"), ("--read-token", "seen"), ("--remove-token", "removed")):
         env["EDT_S3_CACHE"] = str(tmp_path / "machines" / flag)  # each call another machine
         pre = subprocess.run([sys.executable, "-m", "train.launch.remote", "preflight", "--config", str(cfg),
@@ -459,8 +485,9 @@ def test_s3_journal_survives_late_copies_and_a_second_writer(s3_ok, sw, tmp_path
 
 _CHILD = """
 import os, signal, sys
-from train.core import objstore
+from train.core import logship, objstore
 objstore.attach(sys.argv[1])
+logship.start()  # what train/core/entry.py and the coordinators call once their run is attached
 print("worker 0 trained its windows", flush=True)
 if not os.path.exists(sys.argv[2]):  # the first life dies by SIGKILL (nothing of it is shipped: no atexit)
     open(sys.argv[2], "w").close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from train.core import sharedfs
+from train.core import logship, sharedfs
 from train.config import DEFAULT_CONFIG, config_path, load_config
 
 
@@ -36,6 +36,7 @@ def worker_main(strategy: str, worker_cls: type, doc: str, argv: list[str] | Non
     if args.threads:
         cfg.inner.threads = args.threads
     worker = worker_cls(cfg, args.worker)
+    logship.start()  # on an s3:// BASE_DIR: this process's log goes to the bucket too (the worker attached it)
     hb = worker.hb.start_lease(at_first_beat=True)
     box.append(hb)
     waiting = getattr(worker, "monitor", None)

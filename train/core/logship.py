@@ -5,7 +5,8 @@ that file is in the mirror of the machine that writes it (each process appends t
 takes that), so `python -m train.status` on another machine saw no log tail, and neither the restarts nor the
 deaths its supervisor had logged there. So a process whose output goes to a log file inside a bucket's mirror also
 puts the file's last SHIP_BYTES at that log's key, every SHIP_EVERY_S while the file grows and once as it exits
-(`launch_to_machines.py logs` still reads the whole file on each host over SSH). The lines of a supervisor
+(`launch_to_machines.py logs` still reads the whole file on each host over SSH). Workers (train/core/entry.py) and
+coordinators call `start()` once their run is attached. The lines of a supervisor
 (train/launch/supervise.py) go up with its next child's first upload. Readers: train/status/timeline.py `log_tail`
 takes the newer of this machine's copy and the bucket's.
 """

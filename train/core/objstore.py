@@ -124,8 +124,7 @@ def mirror_of(url: str) -> Path:
 def attach(url: str, *, check: bool = True) -> Path:
     """The mirror folder of `url`, its store registered for sharedfs (once per process). `check`: the bucket is
     reached now (HEAD bucket, a conditional PUT probe), so a typo, refused credentials or a server that does not
-    answer is one line before anything is written. A process whose output goes to a log file in the mirror ships
-    that log's tail to the bucket from here on (train/core/logship.py)."""
+    answer is one line before anything is written."""
     bucket, prefix = split_url(url)
     root = mirror_of(url)
     with _lock:
@@ -136,9 +135,6 @@ def attach(url: str, *, check: bool = True) -> Path:
             _stores[os.fspath(root)] = store
     if check:
         store.check()
-    from train.core import logship
-
-    logship.start()  # this process's log, when it is a file in this mirror, goes to the bucket too
     return root
 
 

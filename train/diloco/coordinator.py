@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from train.core import objstore, sharedfs
+from train.core import logship, objstore, sharedfs
 from train.core.background import OneSlot
 from train.config import RunConfig
 from train.core.errors import ProtocolError
@@ -85,6 +85,7 @@ class Coordinator:
         self._lock_f = NO_LOCK  # the coordinator's lock, taken in setup()
         sharedfs.configure_from(cfg.outer)
         self.paths = DiLoCoPaths(prepare_run_dir(cfg.run_dir, cfg.source))
+        logship.start()  # on an s3:// BASE_DIR: this process's log goes to the bucket too
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
         self.evals = OneSlot("evaluate")  # a committed round's evaluation and metrics record, off the critical path

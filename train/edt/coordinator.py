@@ -25,7 +25,7 @@ import socket
 import time
 import uuid
 
-from train.core import objstore, sharedfs
+from train.core import logship, objstore, sharedfs
 from train.config import ConfigError, RunConfig
 from train.core.data import TokenData, prepare_data
 from train.core.errors import UserError
@@ -65,6 +65,7 @@ class EDTCoordinator:
         self._lock_f = NO_LOCK  # the coordinator's lock, taken in setup()
         sharedfs.configure_from(cfg.outer)
         self.paths = EDTPaths(prepare_run_dir(cfg.run_dir, cfg.source))
+        logship.start()  # on an s3:// BASE_DIR: this process's log goes to the bucket too
         self.progress = progress and cfg.logging.progress
         self.monitor = monitor or (lambda: None)  # called while waiting (the simulator checks its children)
         self.P, self.G = population_size(cfg), cfg.edt.max_generations
