@@ -386,6 +386,7 @@ def _stream_windows(paths: DiLoCoPaths) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a variant: tests/unit/test_layout.py's property and test_streaming's long-tier resume cover it
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_resume_with_more_then_fewer_workers_reads_no_window_twice(tmp_path, write_config):
     """2 workers for 2 rounds, then the same run resumed with 3 workers, then with 1: the data layout re-splits the

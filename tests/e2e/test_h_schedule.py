@@ -67,3 +67,41 @@ def test_h_schedule_run_killed_at_random_moments_resumes_and_reads_no_window_twi
             windows += range(offset, offset + read)
     why = {r: (rec.get("missing_why"), rec.get("late")) for r, rec in recs.items() if rec.get("missing_why")}
     assert len(windows) == len(set(windows)) == sum(H) * 2 * batch, why  # a round closed without a worker: why
+
+
+def test_a_resume_with_live_workers_gives_the_next_rounds_their_scheduled_h(write_config, tmp_path):
+    """The coordinator restarts with θ_3 committed, worker 1's delta of round 3 published, worker 0 alive (training
+    round 4, delayed overlap): rounds up to 4 may be under way and keep their slices; round 5 is free and gets the
+    schedule's H = 2 before the commit of θ_4 lets anyone start it. (A resume that took round 6 as the first free
+    one kept round 5 at H = 6: CI's random kills found it; in process here, the moment placed exactly.)"""
+    from train.config import load_config
+    from train.core.heartbeat import Heartbeat
+    from train.core.store import atomic_write_json
+    from train.diloco.coordinator import Coordinator
+    from train.exchange.layout import Layout
+    from train.exchange.protocol import commit
+
+    batch = 8
+    cfg = load_config(str(write_config(outer={"rounds": 6, "local_steps_schedule": [[0, 3], [2, 6], [5, 2]],
+                                              "overlap": "delayed"})), [], strategy="diloco")
+    paths = DiLoCoPaths(tmp_path / "runs" / "t")
+    lay = Layout.single(2, 3 * batch)
+    lay.resize(2, 2, 6 * batch, "H schedule: H = 6 from round 2")  # what the killed coordinator had written
+    lay.save(paths)
+    for r in range(4):
+        commit(paths, r, {"record": {"round": r}})
+    atomic_write_json(paths.worker_state(0), {"round_done": 2})
+    atomic_write_json(paths.worker_state(1), {"round_done": 3})
+    hb = Heartbeat(paths.progress(0), 0)
+    hb.beat(force=True, status="training", round=4)
+    hb.start_lease(0.2)  # a live worker (its lease beating): this process
+    co = Coordinator(cfg, progress=False)
+    try:
+        co.layout = co.plan_layout()
+    finally:
+        hb.stop()
+    assert co._free_round == 5  # rounds 0..4 may be under way (3 + rounds_ahead 1)
+    co.follow_schedule(3 + co.overlap.rounds_ahead, lo=co._free_round)  # what setup() does next
+    co.follow_schedule(3 + 1 + co.overlap.rounds_ahead)  # run_round(3), before the commit of θ_4
+    on_disk = Layout.load(paths)
+    assert [on_disk.windows_of(r, 0) // batch for r in range(6)] == [3, 3, 6, 6, 6, 2]

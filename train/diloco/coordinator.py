@@ -233,7 +233,11 @@ class Coordinator:
 
     def first_free_round(self, lay: Layout, latest: int) -> int:
         """The first round no worker may have started under the current layout: after every published delta and
-        worker state, and one round later still while workers are running (they may be training it now)."""
+        worker state and, while workers are running, after the last round they may be training now: at most
+        overlap.rounds_ahead past the latest commit (a worker starts round q only once θ_{q - rounds_ahead} is
+        committed). Not later: the rounds from here take this start's H (outer.local_steps_schedule) and a later
+        start kept the rounds before it on the old segment's H (a resume with live workers gave round 5 of
+        [[0, 3], [2, 6], [5, 2]] H = 6: found by test_h_schedule's random kills in CI)."""
         paths, oc = self.paths, self.cfg.outer
         slots = max(s["slots"] for s in lay.segments)
         done = latest - 1
@@ -248,8 +252,8 @@ class Coordinator:
         while arrived(paths, r, slots):  # published deltas of rounds not yet committed
             done, r = max(done, r), r + 1
         start = max(latest, done + 1, lay.last["from_round"])
-        if workers_alive(paths, slots, oc):  # they may be training the next round(s) now
-            start += 1 + self.overlap.rounds_ahead
+        if workers_alive(paths, slots, oc):  # they may be training up to round latest + rounds_ahead now
+            start = max(start, latest + self.overlap.rounds_ahead + 1)
         return start
 
     def admit_joiners(self, r: int) -> None:
