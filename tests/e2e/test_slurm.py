@@ -218,6 +218,7 @@ def test_unknown_partition_submits_nothing(slurm, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.long  # a variant: test_stop_makes_every_process_leave runs a real DiLoCo job in the default tier
 @pytest.mark.timeout(300)  # real processes: start-ups, rounds, restarts on 2 busy cores
 def test_diloco_run_finishes_after_a_cancelled_step(slurm, tmp_path):
     # min_workers = 2: no round commits without worker 1, so the run can end only through its restarted step; each
