@@ -3,11 +3,10 @@
 A disk (local, NFS, a FUSE mount): one file, a record a line, each appended by one write of the whole line; a
 retry after a transient error first checks whether the line landed; a line torn by a crash is skipped on reading.
 
-An object store has no append, and rewriting the whole object every round (what this did first) both grows with the
-run and can lose a record: a PUT that timed out on the client may still land on the server later (a gateway paused
-mid-request), over the newer object that held one more line. tests/e2e/test_s3.py's frozen-storage test found it
-in CI: round 2's late copy landed after round 3's line, and round 4 appended to it. So on a bucket a journal
-`x.jsonl` is a folder `x.jsonl.d/` of objects that are never rewritten, each named by the records it holds:
+An object store has no append, and rewriting the whole object every round both grows with the run and can lose a
+record: a PUT that timed out on the client may still land on the server later (a gateway paused mid-request), over
+the newer object that held one more line. So on a bucket a journal `x.jsonl` is a folder `x.jsonl.d/` of objects
+that are never rewritten, each named by the records it holds:
 
     x.jsonl.d/00000007-00000007.jsonl    record 7 alone (an append)
     x.jsonl.d/00000000-00000099.jsonl    records 0..99 (a chunk, written once record 99 is in; the singles it covers
